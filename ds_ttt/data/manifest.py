@@ -190,7 +190,7 @@ class Manifest:
         self.data = data
         self.sha256 = sha256
         self.capacity: int = data["capacity"]
-        self.splits: list[str] = list(data["splits"])
+        self.splits: list[str] = [s for s in SPLITS if s in data["splits"]] + sorted(set(data["splits"]) - set(SPLITS))
         self._tok = None
 
     def tokenizer(self):

@@ -1,0 +1,139 @@
+"""The real-shell generator: deterministic, real observations, family metadata, sandbox limits.
+
+    .venv/bin/python -m pytest tests/unit/test_data_generator.py -q
+"""
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_ttt.data.generator import FAMILY_NAMES, generate, generate_memory_world, generate_one, write_outputs
+from ds_ttt.data.sandbox import Sandbox, network_isolation_available
+from ds_ttt.data.schema import normalize_trajectory
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def commands(t):
+    out = []
+    for i, m in enumerate(t["messages"]):
+        for c in m.get("tool_calls") or []:
+            obs = t["messages"][i + 1]["content"]
+            out.append((json.loads(c["function"]["arguments"])["command"], obs))
+    return out
+
+
+def test_deterministic_across_runs_and_workers(tmp_path):
+    a = generate(10, 123, workers=1)
+    b = generate(10, 123, workers=2)
+    assert a == b
+    pa, pb = write_outputs(a, tmp_path / "a"), write_outputs(b, tmp_path / "b")
+    assert pa["jsonl"].read_bytes() == pb["jsonl"].read_bytes()
+    for f in sorted(pa["atif"].iterdir()):
+        assert f.read_bytes() == (pb["atif"] / f.name).read_bytes()
+    assert generate(10, 124, workers=1) != a
+    assert generate_one(123, 7) == a[7]  # any trajectory can be regenerated alone
+
+
+def test_all_trajectories_are_valid_and_families_covered():
+    trajs = generate(40, 9)
+    assert {t["meta"]["family"] for t in trajs} == set(FAMILY_NAMES)
+    for t in trajs:
+        assert normalize_trajectory(t)["messages"] == t["messages"]
+        for m in t["messages"]:
+            if m["role"] == "assistant":
+                assert m["reasoning_content"]
+                for c in m.get("tool_calls", []):
+                    assert c["function"]["name"] == "bash" and set(json.loads(c["function"]["arguments"])) == {"command"}
+
+
+def test_observations_are_real_sandbox_output(tmp_path):
+    checked = 0
+    for i in range(12):
+        t = generate_one(77, i, keep_dir=str(tmp_path))
+        root = Path(t["meta"]["sandbox"])
+        cmds = commands(t)
+        for k, (cmd, obs) in enumerate(cmds):
+            m = re.fullmatch(r"(cat|ls) (\S+)", cmd)
+            if not m or any(m.group(2) in later for later, _ in cmds[k + 1:] if not later.startswith(("cat ", "ls "))):
+                continue  # only paths no later command modifies
+            path = root / m.group(2)
+            if m.group(1) == "cat":
+                assert obs == path.read_text().rstrip("\n")
+            else:
+                assert obs.splitlines() == sorted(os.listdir(path))
+            checked += 1
+    assert checked >= 8
+
+
+def test_memory_world_values_are_real_and_meta_consistent(tmp_path):
+    w = generate_memory_world(31, keep_dir=str(tmp_path))
+    root = Path(w["meta"]["sandbox"])
+    salt = re.search(r"\$1-([0-9a-f]+)", (root / "bin" / "keygen").read_text()).group(1)
+    for name, value in w["meta"]["values"].items():
+        assert value == hashlib.sha256(f"{name}-{salt}".encode()).hexdigest()[:10]
+        assert (root / "vault" / f"{name}.key").read_text().strip() == value
+    rounds = per_round(w)
+    for rb in w["meta"]["readbacks"]:
+        assert rounds[rb["round"]]["obs"] == rb["value"]  # the readback observation reproduces the fact
+        assert rb["value"] in rounds[rb["source_round"]]["obs"]
+        assert rb["value"] not in rounds[rb["source_round"]]["cmd"]  # the fact came from the shell, not the action
+    for mc in w["meta"]["memory_checks"]:
+        assert mc["fact"] in rounds[mc["round"]]["cmd"]
+    assert generate_memory_world(31) == {**w, "meta": {k: v for k, v in w["meta"].items() if k != "sandbox"}}
+    assert generate_memory_world(32)["meta"]["values"] != w["meta"]["values"]
+
+
+def per_round(t):
+    rounds, r = {}, 0
+    for m in t["messages"]:
+        if m["role"] == "assistant":
+            r += 1
+            cmd = json.loads(m["tool_calls"][0]["function"]["arguments"])["command"] if m.get("tool_calls") else ""
+            rounds[r] = {"cmd": cmd, "obs": None}
+        elif m["role"] == "tool":
+            rounds[r]["obs"] = m["content"]
+    return rounds
+
+
+def test_family_metadata():
+    trajs = generate(60, 4)
+    seen_fail = False
+    for t in trajs:
+        rounds = per_round(t)
+        meta = t["meta"]
+        if meta["family"] == "memory":
+            for mc in meta["memory_checks"]:
+                assert mc["fact"] in rounds[mc["round"]]["cmd"]
+                assert mc["fact"] in rounds[mc["source_round"]]["obs"] and mc["source_round"] < mc["round"]
+        if meta["family"] == "error_recovery":
+            for r in meta["recovery_rounds"]:
+                assert re.search(r"\[exit code: \d+\]", rounds[r - 1]["obs"])
+            seen_fail |= not meta["success"]
+    assert any(not t["meta"]["success"] for t in generate(80, 1, family="error_recovery")) or seen_fail
+
+
+def test_sandbox_timeout_and_no_network():
+    with Sandbox(timeout=0.5) as sb:
+        r = sb.run("sleep 5")
+        assert r.timed_out and r.exit_code == 124
+        if network_isolation_available():
+            r = sb.run("exec 3<>/dev/tcp/1.1.1.1/80")
+            assert r.exit_code != 0 and "unreachable" in r.output.lower()
+        root = sb.root
+    assert not root.exists()
+
+
+def test_generate_cli(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "data_prep" / "generate.py"), "--out", str(tmp_path), "--num", "6", "--seed", "0",
+                          "--workers", "1", "--no-token-stats"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "| family" in out.stdout and "generated 6 trajectories" in out.stdout
+    assert len((tmp_path / "trajectories.jsonl").read_text().splitlines()) == 6
+    assert len(list((tmp_path / "atif").glob("*.json"))) == 6

@@ -1,0 +1,132 @@
+"""Importers on the committed fixtures in tests/assets/data: well-formed records and each malformed kind.
+
+    .venv/bin/python -m pytest tests/unit/test_data_importers.py -q
+"""
+
+import json
+from pathlib import Path
+
+from ds_ttt.data.atif import atif_to_canonical, canonical_to_atif
+from ds_ttt.data.generator import generate_one
+from ds_ttt.data.importers import import_inputs, parse_terminus_reply
+from ds_ttt.data.schema import normalize_trajectory
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "data"
+
+
+def by_id(res):
+    return {t["id"]: t for t in res.trajectories}
+
+
+def test_atif_with_continuation():
+    res = import_inputs([ASSETS / "atif" / "good"])
+    assert not res.rejects
+    t = by_id(res)
+    main, cont = t["sess-good-1"], t["sess-good-1.cont-1"]
+    assert main["meta"]["group"] == cont["meta"]["group"] == "sess-good-1"
+    assert [m["role"] for m in main["messages"]] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert main["messages"][3] == {"role": "tool", "content": "id,name\n1,ann\n2,bob", "tool_call_id": "call_1"}
+    assert json.loads(main["messages"][4]["tool_calls"][0]["function"]["arguments"]) == {"command": "wc -l data.csv"}
+    assert main["messages"][2]["reasoning_content"] == "Look at the file first."
+    assert main["tools"][0]["function"]["name"] == "bash" and main["meta"]["reward"] == 1.0
+    assert cont["messages"][1]["content"].startswith("Summary so far")
+
+
+def test_atif_malformed_each_kind():
+    res = import_inputs([ASSETS / "atif" / "bad", ASSETS / "atif" / "orphan"])
+    assert not res.trajectories
+    got = {Path(r.file).name: (r.step, r.reason) for r in res.rejects}
+    assert got["step_order.json"] == (4, "step_id 7 out of order (expected 4)")
+    assert got["unknown_source.json"][0] == 2 and "unknown step source" in got["unknown_source.json"][1]
+    assert got["call_id.json"][0] == 3 and "call_404" in got["call_id.json"][1]
+    assert got["arguments.json"][0] == 4 and "not valid JSON" in got["arguments.json"][1]
+    assert "session_id" in got["no_session.json"][1]
+    assert "invalid JSON" in got["truncated.json"][1]
+    assert "predecessor" in got["trajectory.cont-2.json"][1]
+
+
+def test_openai_jsonl_good():
+    res = import_inputs([ASSETS / "openai" / "good.jsonl"])
+    assert not res.rejects
+    t = by_id(res)
+    assert set(t) == {"oa-1", "good:2"}
+    second = t["good:2"]
+    assert second["messages"][0]["content"] == "List files, then stop."  # text parts joined
+    assert second["messages"][1]["reasoning_content"] == "I should run ls."  # <think> moved out of content
+    assert second["messages"][1]["content"] == ""
+    assert second["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"command": "ls"}'
+
+
+def test_openai_jsonl_malformed_each_kind():
+    res = import_inputs([ASSETS / "openai" / "bad.jsonl"])
+    assert [t["id"] for t in res.trajectories] == ["ok-1"]
+    reasons = {r.line: r.reason for r in res.rejects}
+    assert set(reasons) == set(range(2, 11))
+    assert reasons[2].startswith("invalid JSON")
+    assert reasons[3] == "messages must be a non-empty list"
+    assert "without a preceding assistant tool call" in reasons[4]
+    assert "unknown role" in reasons[5]
+    assert "control token <|im_end|>" in reasons[6]
+    assert "not valid JSON" in reasons[7]
+    assert "names no tool call" in reasons[8]
+    assert reasons[9] == "no assistant turn"
+    assert "duplicate id 'ok-1'" in reasons[10] and "bad.jsonl:1" in reasons[10]
+    assert all(r.file.endswith("bad.jsonl") for r in res.rejects)
+
+
+def test_terminus_trial_good():
+    res = import_inputs([ASSETS / "terminus" / "trial_good"])
+    assert not res.rejects
+    (t,) = res.trajectories
+    assert t["id"] == "trial_good" and t["source"] == "terminus2_trial"
+    assert t["meta"]["reward"] == 1.0 and t["meta"]["success"] is True and t["meta"]["task_name"] == "hello-file"
+    roles = [m["role"] for m in t["messages"]]
+    assert roles == ["user", "assistant", "user", "assistant", "user", "assistant", "user", "assistant"]
+    assert t["messages"][5]["reasoning_content"] == "The file has hi."
+    assert parse_terminus_reply(t["messages"][7]["content"])["task_complete"] is True
+
+
+def test_terminus_trial_malformed():
+    res = import_inputs([ASSETS / "terminus" / "trial_bad_reply", ASSETS / "terminus" / "trial_missing_response"])
+    assert not res.trajectories
+    steps = {r.step: r for r in res.rejects}
+    assert "not a Terminus-2 reply" in steps["episode-2"].reason and steps["episode-2"].file.endswith("response.txt")
+    assert "episode-1 has no response.txt" == steps["episode-1"].reason
+
+
+def test_terminus_summarization_starts_new_part(tmp_path):
+    import shutil
+
+    trial = tmp_path / "trial_sum"
+    shutil.copytree(ASSETS / "terminus" / "trial_good", trial)
+    dbg = trial / "agent" / "episode-2" / "debug.json"
+    doc = json.loads(dbg.read_text())
+    old = doc["messages"]
+    doc["messages"] = [{"role": "user", "content": "Summary: hello.txt was written. Check it."}]
+    dbg.write_text(json.dumps(doc))
+    # episode 3 continues the summarized context: summary + episode-2 reply + its observation
+    dbg3 = trial / "agent" / "episode-3" / "debug.json"
+    doc3 = json.loads(dbg3.read_text())
+    doc3["messages"] = doc["messages"] + doc3["messages"][len(old):]
+    dbg3.write_text(json.dumps(doc3))
+    res = import_inputs([trial])
+    assert not res.rejects
+    part1, part2 = res.trajectories
+    assert (part1["id"], part2["id"]) == ("trial_good#part-1", "trial_good#part-2")  # trial_name from result.json
+    assert part1["meta"]["group"] == part2["meta"]["group"] == "trial_good"
+    assert len(part1["messages"]) == 4 and len(part2["messages"]) == 4
+    assert part2["messages"][0]["content"].startswith("Summary:")
+
+
+def test_directory_walk_counts_everything():
+    res = import_inputs([ASSETS])
+    assert len(res.trajectories) == 6
+    assert len(res.rejects) == 18
+    assert res.skipped == [str(ASSETS / "make_fixtures.py")]
+
+
+def test_atif_roundtrip_of_generated_trajectory():
+    t = normalize_trajectory(generate_one(2, 0))
+    back = normalize_trajectory(atif_to_canonical(canonical_to_atif(t)))
+    assert back["messages"] == t["messages"] and back["tools"] == t["tools"] and back["id"] == t["id"]
+    assert {k: back["meta"][k] for k in t["meta"]} == t["meta"]

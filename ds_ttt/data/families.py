@@ -115,7 +115,8 @@ def memory_world(ep, rng: random.Random, num_distractors: int | None = None) -> 
                    ("Check the key file sizes.", "wc -c vault/*.key"),
                    ("Look at the keygen script once.", "cat bin/keygen | head -n 1"),
                    ("Make sure nothing else is in the vault.", "ls -a vault | wc -l")]
-    for reason, cmd in distractors[:k]:
+    for j in range(k):  # more than four distractors repeat the checks (longer memory distance)
+        reason, cmd = distractors[j % len(distractors)]
         ep.act(reason, cmd)
     readbacks = []
     for n in names:

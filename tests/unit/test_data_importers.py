@@ -130,3 +130,24 @@ def test_atif_roundtrip_of_generated_trajectory():
     back = normalize_trajectory(atif_to_canonical(canonical_to_atif(t)))
     assert back["messages"] == t["messages"] and back["tools"] == t["tools"] and back["id"] == t["id"]
     assert {k: back["meta"][k] for k in t["meta"]} == t["meta"]
+
+
+def test_terminus2_style_atif_without_call_ids():
+    from ds_ttt.data.atif import ATIFError
+    import pytest
+
+    doc = {"schema_version": "ATIF-v1.2", "session_id": "t2", "agent": {"name": "terminus-2", "version": "1"},
+           "steps": [{"step_id": 1, "source": "user", "message": "Make hello.txt"},
+                     {"step_id": 2, "source": "agent", "message": "Analysis: empty dir. Plan: write it.",
+                      "tool_calls": [{"tool_call_id": "call_0_1", "function_name": "bash_command",
+                                      "arguments": {"keystrokes": "echo hi > hello.txt\n", "duration": 0.1}}],
+                      "observation": {"results": [{"content": "New Terminal Output:\n$ echo hi > hello.txt\n$ "}]}},
+                     {"step_id": 3, "source": "agent", "message": "Done.",
+                      "tool_calls": [{"tool_call_id": "call_1_task_complete", "function_name": "mark_task_complete", "arguments": {}}]}]}
+    t = normalize_trajectory(atif_to_canonical(doc))
+    assert [m["role"] for m in t["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert "tool_call_id" not in t["messages"][2]
+    assert json.loads(t["messages"][1]["tool_calls"][0]["function"]["arguments"])["keystrokes"] == "echo hi > hello.txt\n"
+    doc["steps"][1]["observation"]["results"][0]["source_call_id"] = "call_9"
+    with pytest.raises(ATIFError, match="call_9"):
+        atif_to_canonical(doc)

@@ -59,6 +59,16 @@ def test_ids_equal_tiktoken_on_a_generated_trajectory(tok, ref):
     assert tok.encode(text, add_special_tokens=False) == ref.encode(text)
 
 
+def test_ids_equal_tiktoken_on_random_strings(tok, ref):
+    import random
+
+    rng = random.Random(0)
+    alphabet = list("abcXYZ019 \t\n\r.,;:!?'\"-_/\\()[]{}<>|@#$%^&*~`") + ["é", "ü", "ß", "中", "文", "한", "🚀", "👍🏽", "\u0301", "\u200b", "\u00a0", "∑", "\x00"]
+    for _ in range(500):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+        assert tok.encode(s, add_special_tokens=False) == ref.encode(s), repr(s)
+
+
 def test_special_tokens_at_real_ids(tok):
     assert len(tok) == NUM_BPE_RANKS + len(QWEN3_ADDED_TOKENS) == 151669
     for tid, content, _ in QWEN3_ADDED_TOKENS:

@@ -249,6 +249,9 @@ def explore_count(ep, rng: random.Random) -> None:
             n += k
             body = "".join(f"# TODO: {_name(rng)} {_name(rng)}\n" if j < k else f"x{j} = {rng.randint(0, 9)}\n" for j in range(k + 2))
             ep.write(f"{d}/{_name(rng)}_{i}.{ext}", body)
+    if n == 0:  # grep exits 1 on no match; keep the task non-trivial
+        ep.write(f"{d}/extra.{ext}", "# TODO: check this\n")
+        n = 1
     ep.task(f"How many TODO comments are in the .{ext} files? Write the number to todo_count.txt.")
     ep.act(f"List the .{ext} files.", f"find . -name '*.{ext}' | sort")
     out = ep.act("Show every TODO line with its file and line number.", f"grep -rn 'TODO' --include='*.{ext}' . | sort")

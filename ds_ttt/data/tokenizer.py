@@ -198,7 +198,10 @@ def build_qwen3_tokenizer(cache: bool = True) -> PreTrainedTokenizerFast:
         with tempfile.TemporaryDirectory() as tmp:
             _build_uncached(Path(tmp))
             return PreTrainedTokenizerFast.from_pretrained(tmp)
-    return _cached_tokenizer(str(_cache_root() / "tokenizers" / _cache_key()))
+    try:
+        return _cached_tokenizer(str(_cache_root() / "tokenizers" / _cache_key()))
+    except OSError:  # unwritable cache (read-only home): build in a temporary directory instead
+        return build_qwen3_tokenizer(cache=False)
 
 
 @functools.lru_cache(maxsize=4)

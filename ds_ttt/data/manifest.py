@@ -10,6 +10,9 @@ DIR/
   test.jsonl
   rejects.jsonl     one {"file", "line", "step", "reason"} per malformed record
   tokenizer/        the tokenizer used (tokenizer.json, tokenizer_config.json with the chat template)
+  raw/              hub downloads (prepare.py --hub-pin), hashed and verified like the rest
+The sha256 of every input file is recorded under `input_files` (provenance; inputs outside DIR are not
+re-verified on load because they may move).
 
 Split: by `meta.group` (continuation parts of one session share a group), test iff
 sha256(f"{seed}:{group}") / 2**256 < test_fraction — independent of input order and of the other
@@ -160,6 +163,15 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
         _write_jsonl(out / f"{s}.jsonl", splits[s])
         split_info[s] = {"file": f"{s}.jsonl", **_split_stats([rendered_by_id[t["id"]] for t in splits[s]], splits[s])}
     files = {p.relative_to(out).as_posix(): sha256_file(p) for p in sorted([out / f"{s}.jsonl" for s in SPLITS] + [rejects_path] + list(tok_dir.rglob("*"))) if p.is_file()}
+    # provenance: the sha256 of every input file; inputs stored inside DIR (hub downloads) are verified on load too
+    input_files = {}
+    for root in inputs:
+        root = Path(root)
+        for p in sorted(root.rglob("*")) if root.is_dir() else [root]:
+            if p.is_file():
+                input_files[str(p)] = sha256_file(p)
+                if p.resolve().is_relative_to(out.resolve()):
+                    files[p.resolve().relative_to(out.resolve()).as_posix()] = input_files[str(p)]
     manifest = {
         "format": MANIFEST_FORMAT,
         "capacity": capacity,
@@ -174,6 +186,7 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
         "imported_by_format": imported.counts_by_format,
         "split_check": {"overlap_ids": overlap["ids"], "overlap_groups": overlap["groups"]},
         "inputs": [str(p) for p in inputs],
+        "input_files": input_files,
     }
     if hub:
         manifest["hub"] = hub

@@ -49,6 +49,7 @@ def test_manifest_contents(prepared):
     for rel, digest in m["files"].items():
         assert hashlib.sha256((prepared / rel).read_bytes()).hexdigest() == digest
     assert m["tokenizer"]["hash"] == m["files"]["tokenizer/tokenizer.json"]
+    assert any(k.endswith("gen.jsonl") for k in m["input_files"]) and len(m["input_files"]) >= 10
     total = sum(s["num_trajectories"] for s in m["splits"].values()) + len(m["excluded_by_capacity"])
     assert total == 24 + 2 + 1  # generated + ATIF main/continuation + Terminus trial
     assert m["split_check"] == {"overlap_ids": 0, "overlap_groups": 0}
@@ -197,4 +198,9 @@ def test_prepare_cli_with_hub_pin(mirror, tmp_path):
     assert cli.main(["--hub-pin", str(pin), "--hub-mirror", str(base), "--out", str(out), "--test-fraction", "0.5"]) == 0
     man = load_manifest(out)
     assert man.data["hub"]["revision"] == REV and man.ids("train") | man.ids("test") == {"oa-1", "train:2"}
+    assert man.data["files"]["raw/data/train.jsonl"] == files["data/train.jsonl"]  # pinned data re-verified on load
+    with open(out / "raw" / "data" / "train.jsonl", "a") as f:
+        f.write("\n")
+    with pytest.raises(ManifestError, match="raw/data/train.jsonl"):
+        load_manifest(out)
     assert cli.main(["--hub-pin", str(pin), "--hub-mirror", "http://127.0.0.1:9", "--hub-timeout", "1", "--out", str(out)]) == 2

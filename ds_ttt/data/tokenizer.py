@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
-import json
 import os
 import tempfile
 import unicodedata

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from ds_ttt.data.generator import FAMILY_NAMES, generate, generate_memory_world, generate_one, write_outputs
 from ds_ttt.data.sandbox import Sandbox, network_isolation_available

@@ -9,10 +9,10 @@ Listings are always sorted (`ls`, `find | sort`) so a seed reproduces the same b
 Families (meta.family):
   memory          a fact (port, token, file name, version) appears in an observation and a later action
                   must reproduce it; meta.memory_checks = [{"round", "fact", "source_round"}].
-  error_recovery  a command fails (typo, missing file, wrong flag, permission) and the next action uses
+  error_recovery  a command fails (typo, missing file, wrong flag, permission, case-sensitive grep) and the next action uses
                   the error text to fix it; some runs end in failure (meta.success = False);
                   meta.recovery_rounds = [round of the action after the failing command].
-  explore_edit    find, count, grep, sed, verify.
+  explore_edit    find, count, grep, sed, mv, verify.
 """
 
 from __future__ import annotations
@@ -216,6 +216,27 @@ def recovery_permission(ep, rng: random.Random) -> None:
     ep.finish("The script ran after chmod.", f"The last line is: {last}")
 
 
+def recovery_grep_case(ep, rng: random.Random) -> None:
+    word = rng.choice(["error", "warning", "timeout"])
+    log = f"{rng.choice(SERVICES)}.log"
+    lines = []
+    for i in range(rng.randint(5, 9)):
+        if rng.random() < 0.4:
+            lines.append(f"2024-05-{i + 1:02d} {word.upper()}: {_name(rng)} {_name(rng)} failed")
+        else:
+            lines.append(f"2024-05-{i + 1:02d} INFO: {_name(rng)} ok")
+    if not any(word.upper() in l for l in lines):
+        lines.append(f"2024-05-30 {word.upper()}: {_name(rng)} failed")
+    ep.write(f"logs/{log}", "\n".join(lines) + "\n")
+    ep.task(f"How many {word} lines are in logs/{log}? Show them too.")
+    ep.act(f"Search logs/{log} for '{word}'.", f"grep -n {word} logs/{log}", expect_fail=True)
+    ep.mark_recovery()
+    out = ep.act("grep found nothing (exit code 1), but the log may use upper case. Search case-insensitively.",
+                 f"grep -in {word} logs/{log}")
+    n = len(out.splitlines())
+    ep.finish(f"{n} matching lines.", f"logs/{log} has {n} {word} line(s) (written in upper case).")
+
+
 # ---------------------------------------------------------------------------------------- explore + edit
 def explore_replace(ep, rng: random.Random) -> None:
     flag = rng.choice(["DEBUG", "VERBOSE", "USE_CACHE", "DRY_RUN"])
@@ -282,8 +303,39 @@ def explore_rename(ep, rng: random.Random) -> None:
     ep.finish("The old name no longer appears.", f"Renamed {old} to {new} in {len(hit_files)} file(s).", success=out.strip() == "0")
 
 
+def explore_largest(ep, rng: random.Random) -> None:
+    names = rng.sample(WORDS, rng.randint(3, 5))
+    sizes = rng.sample(range(10, 400), len(names))
+    for n, k in zip(names, sizes):
+        ep.write(f"data/{n}.bin", "x" * k)
+    ep.write("archive/.keep", "")
+    ep.task("Move the largest file in data/ into archive/ and show what is left in data/.")
+    out = ep.act("Compare the file sizes in bytes, sorted.", "wc -c data/* | sort -n")
+    rows = [l.split() for l in out.splitlines() if l.strip() and not l.strip().endswith("total")]
+    largest = rows[-1][1]
+    ep.act(f"The largest is {largest}; move it.", f"mv {largest} archive/")
+    out = ep.act("Show the remaining files.", "ls data")
+    ep.finish(f"{largest} moved.", f"Moved {largest} ({rows[-1][0]} bytes) to archive/; {len(out.splitlines())} file(s) remain in data/.",
+              success=largest.split("/")[-1] not in out)
+
+
+def explore_csv(ep, rng: random.Random) -> None:
+    regions = ["north", "south", "east", "west"]
+    target = rng.choice(regions)
+    rows = [f"{i},{rng.choice(regions)},{rng.randint(10, 999)}" for i in range(1, rng.randint(8, 16))]
+    if not any(f",{target}," in r for r in rows):
+        rows.append(f"{len(rows) + 1},{target},{rng.randint(10, 999)}")
+    ep.write("sales.csv", "id,region,amount\n" + "\n".join(rows) + "\n")
+    n = sum(f",{target}," in r for r in rows)
+    ep.task(f"Count the sales rows for the {target} region in sales.csv and write the count to answer.txt.")
+    ep.act("Look at the header and first rows.", "head -n 3 sales.csv")
+    out = ep.act(f"Region is the second column; count rows with ,{target},.", f"grep -c ',{target},' sales.csv")
+    ep.act(f"The count is {out.strip()}; save it.", f"grep -c ',{target},' sales.csv > answer.txt && cat answer.txt")
+    ep.finish("answer.txt holds the count.", f"{out.strip()} rows are in the {target} region; saved to answer.txt.", success=out.strip() == str(n))
+
+
 FAMILIES = {
     "memory": [memory_config, memory_filename, memory_world],
-    "error_recovery": [recovery_typo, recovery_missing_file, recovery_bad_flag, recovery_permission],
-    "explore_edit": [explore_replace, explore_count, explore_rename],
+    "error_recovery": [recovery_typo, recovery_missing_file, recovery_bad_flag, recovery_permission, recovery_grep_case],
+    "explore_edit": [explore_replace, explore_count, explore_rename, explore_largest, explore_csv],
 }

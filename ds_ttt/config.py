@@ -1,0 +1,92 @@
+"""Validated settings of ds_ttt that are not plain DeepSpeed: the TTT (fast-weight) settings.
+
+The backbone itself is described by transformers' `Qwen3Config` (see `ds_ttt/model/presets.py`);
+everything about test-time training lives in `TTTConfig`. Training-run settings (data, steps,
+schedule) are added next to it by the trainer. Every config is a `@dataclass(kw_only=True,
+slots=True)`: a misspelled attribute raises, required fields have no default, and `validate()`
+raises `ValueError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+CONTEXT_POLICIES = ("full", "window", "current_round")
+TRAINABLE_SCOPES = ("prime", "suffix", "all")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
+
+
+@dataclass(kw_only=True, slots=True)
+class TTTConfig:
+    """How the fast-weight ("prime") MLPs are placed, updated and trained.
+
+    adaptive_layers: number of final decoder layers that carry a prime MLP (None -> num_layers // 4;
+        0 -> plain SFT, no inner loop).
+    prime_intermediate_size: width of each prime SwiGLU (None -> the backbone's intermediate_size).
+    inner_lr / inner_max_norm: the inner step W <- W - inner_lr * clip_global_norm(grad, inner_max_norm)
+        (inner_max_norm <= 0 disables clipping).
+    context_policy: what attention may see ("full" up to capacity, "window" of `window` tokens,
+        "current_round" = the task prompt (round 0) plus the current round). Beyond it, only W carries
+        information. The same policy holds in training, evaluation and serving.
+    checkpoint_events: wrap each event step of the inner loop in non-reentrant activation checkpointing.
+    attention_backend: attention of the adaptive layers (must be twice differentiable).
+    trainable_scope: which backbone parameters the outer optimizer trains besides the prime MLPs.
+    obs_loss_weight: weight of the pre-update observation loss in the outer objective (TTT-E2E style).
+    """
+
+    adaptive_layers: int | None = None
+    prime_intermediate_size: int | None = None
+    inner_lr: float = 0.1
+    inner_max_norm: float = 1.0
+    context_policy: str = "full"
+    window: int = 0
+    checkpoint_events: bool = True
+    attention_backend: str = "reference"
+    trainable_scope: str = "prime"
+    obs_loss_weight: float = 0.0
+
+    def validate(self, num_hidden_layers: int | None = None) -> "TTTConfig":
+        """Check every field; with `num_hidden_layers`, also the layer count. Returns self."""
+        if self.adaptive_layers is not None and (isinstance(self.adaptive_layers, bool) or self.adaptive_layers < 0):
+            raise ValueError(f"ttt.adaptive_layers must be an int >= 0 or null, got {self.adaptive_layers!r}")
+        if num_hidden_layers is not None and self.num_adaptive(num_hidden_layers) > num_hidden_layers:
+            raise ValueError(
+                f"ttt.adaptive_layers={self.adaptive_layers} exceeds the model's num_hidden_layers="
+                f"{num_hidden_layers}; use at most {num_hidden_layers} (default num_layers // 4)")
+        if self.prime_intermediate_size is not None and self.prime_intermediate_size <= 0:
+            raise ValueError(f"ttt.prime_intermediate_size must be positive, got {self.prime_intermediate_size}")
+        if not (self.inner_lr >= 0.0 and self.inner_lr < float("inf")):
+            raise ValueError(f"ttt.inner_lr must be a finite number >= 0, got {self.inner_lr}")
+        if not self.inner_max_norm < float("inf"):
+            raise ValueError(f"ttt.inner_max_norm must be finite (<= 0 disables clipping), got {self.inner_max_norm}")
+        if self.context_policy not in CONTEXT_POLICIES:
+            raise ValueError(f"ttt.context_policy must be one of {CONTEXT_POLICIES}, got {self.context_policy!r}")
+        if self.context_policy == "window" and self.window <= 0:
+            raise ValueError("ttt.context_policy='window' needs ttt.window > 0 (tokens of attention context)")
+        if self.context_policy != "window" and self.window != 0:
+            raise ValueError(f"ttt.window={self.window} is only used with context_policy='window'; set it to 0")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"ttt.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.trainable_scope not in TRAINABLE_SCOPES:
+            raise ValueError(f"ttt.trainable_scope must be one of {TRAINABLE_SCOPES}, got {self.trainable_scope!r}")
+        if self.obs_loss_weight < 0:
+            raise ValueError(f"ttt.obs_loss_weight must be >= 0, got {self.obs_loss_weight}")
+        return self
+
+    def num_adaptive(self, num_hidden_layers: int) -> int:
+        """Number of adaptive (prime-carrying) layers for a backbone of `num_hidden_layers`."""
+        return num_hidden_layers // 4 if self.adaptive_layers is None else self.adaptive_layers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str = "ttt") -> "TTTConfig":
+        """Build from a JSON dict; unknown keys raise naming them (no silently ignored settings)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        return cls(**data)

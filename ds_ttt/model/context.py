@@ -1,0 +1,104 @@
+"""Context policy: which earlier tokens attention may see (everything else reaches a token only through W).
+
+Three policies, identical in training, evaluation and serving:
+  full           every earlier token (up to the capacity fixed at data preparation);
+  window         the last `window` tokens, query included (absolute distance i - j < window);
+  current_round  the task prompt (round 0) plus the earlier tokens of the query's own round
+                 (the TTT-Terminal-World rule: only fast weights can carry a fact across rounds).
+
+Two equivalent forms are provided:
+  * `ContextPolicy.mask` - a [B, 1, T, T] boolean mask for a whole sequence at once (the frozen
+    prefix layers, which run the full trajectory in one pass);
+  * `ContextPolicy.select` - prune a per-layer key/value cache before an event (the inner loop and
+    serving, which run event by event). It returns the kept cache plus the absolute offsets to pass to
+    `ds_ttt.ops.flashbob.attention`, so that its causal/window mask over (kept keys ++ new keys)
+    equals `mask`. For current_round the kept keys are not contiguous in position (round 0, then the
+    current round); we index them "compressed" (0..S-1) with the queries following at offset S,
+    which is exact because every kept key precedes every new query. RoPE already used the true
+    positions, so relative rotations are unaffected.
+
+Shape letters: B batch, T tokens, H kv heads, S cached tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerCache:
+    """Keys/values of earlier tokens for one layer of one trajectory (batch 1)."""
+
+    k_1HSD: torch.Tensor
+    v_1HSD: torch.Tensor
+    positions_S: torch.Tensor  # int64 absolute positions
+    rounds_S: torch.Tensor  # int64 round ids
+
+    @staticmethod
+    def empty(like_1HTD: torch.Tensor) -> "LayerCache":
+        b, h, _, d = like_1HTD.shape
+        z = like_1HTD.new_zeros(b, h, 0, d)
+        idx = torch.zeros(0, dtype=torch.long, device=like_1HTD.device)
+        return LayerCache(z, z, idx, idx)
+
+    def __len__(self) -> int:
+        return int(self.positions_S.numel())
+
+    def take(self, keep_S: torch.Tensor) -> "LayerCache":
+        idx = keep_S.nonzero().squeeze(1)
+        return LayerCache(self.k_1HSD.index_select(2, idx), self.v_1HSD.index_select(2, idx),
+                          self.positions_S[idx], self.rounds_S[idx])
+
+    def append(self, k_1HTD, v_1HTD, positions_T, rounds_T) -> "LayerCache":
+        return LayerCache(torch.cat([self.k_1HSD, k_1HTD], 2), torch.cat([self.v_1HSD, v_1HTD], 2),
+                          torch.cat([self.positions_S, positions_T]), torch.cat([self.rounds_S, rounds_T]))
+
+
+@dataclass(frozen=True)
+class AttentionSpan:
+    """Arguments for `attention(q, cat(k_cache, k_new), ...)` after `select`."""
+
+    q_offset: int
+    k_offset: int
+    window: int
+
+
+@dataclass(frozen=True)
+class ContextPolicy:
+    kind: str = "full"
+    window: int = 0
+
+    @classmethod
+    def from_ttt(cls, ttt) -> "ContextPolicy":
+        return cls(kind=ttt.context_policy, window=ttt.window)
+
+    def mask(self, rounds_BT: torch.Tensor) -> torch.Tensor | None:
+        """Boolean [B, 1, T, T] mask (True = may attend) for a right-padded batch, or None for plain causal.
+
+        Positions are 0..T-1 per row. Right padding never needs masking: a real query only sees
+        earlier (hence real) keys under every policy.
+        """
+        if self.kind == "full":
+            return None
+        _, t = rounds_BT.shape
+        i = torch.arange(t, device=rounds_BT.device)
+        allowed_TT = i[None, :] <= i[:, None]
+        if self.kind == "window":
+            allowed_TT = allowed_TT & (i[:, None] - i[None, :] < self.window)
+            return allowed_TT[None, None]
+        same_round_BTT = (rounds_BT[:, :, None] == rounds_BT[:, None, :]) | (rounds_BT[:, None, :] == 0)
+        return (allowed_TT[None] & same_round_BTT)[:, None]
+
+    def select(self, cache: LayerCache, start: int, round_id: int) -> tuple[LayerCache, AttentionSpan]:
+        """Prune `cache` for new tokens at positions start.. (all in round `round_id`)."""
+        if self.kind == "full":
+            k_off = int(cache.positions_S[0]) if len(cache) else start
+            return cache, AttentionSpan(q_offset=start, k_offset=k_off, window=0)
+        if self.kind == "window":
+            kept = cache.take(cache.positions_S > start - self.window) if len(cache) else cache
+            k_off = int(kept.positions_S[0]) if len(kept) else start
+            return kept, AttentionSpan(q_offset=start, k_offset=k_off, window=self.window)
+        kept = cache.take((cache.rounds_S == 0) | (cache.rounds_S == round_id)) if len(cache) else cache
+        return kept, AttentionSpan(q_offset=len(kept), k_offset=0, window=0)

@@ -1,0 +1,97 @@
+"""Hugging Face <-> ds_ttt weights: load a local Qwen3 checkpoint directory into the TTT model.
+
+    from ds_ttt.model.hf_adapter import load_hf_qwen3
+    model = load_hf_qwen3("/models/Qwen3-8B", TTTConfig(), dtype=torch.bfloat16)
+
+Parameter names are identical to transformers' Qwen3ForCausalLM, so loading is a name-checked copy:
+every checkpoint tensor must land on a model parameter with the same shape, and the only model
+parameters allowed to be missing are the new prime ones (which keep their fresh initialisation,
+down projection zero). Both single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`)
+layouts are read with safetensors, one shard at a time (never the whole model in memory twice).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+from safetensors import safe_open
+from transformers import Qwen3Config
+
+from ds_ttt.config import TTTConfig
+from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+
+PRIME_MARKERS = (".prime_mlp.", ".prime_layernorm.")
+
+
+def is_prime_param(name: str) -> bool:
+    return any(m in name for m in PRIME_MARKERS)
+
+
+def checkpoint_shards(model_dir: pathlib.Path) -> dict[str, list[str]]:
+    """{shard file name: [tensor names]} of a Hugging Face safetensors checkpoint directory."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(shard, []).append(name)
+        return shards
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        with safe_open(str(single), "pt") as f:
+            return {"model.safetensors": list(f.keys())}
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json; "
+                            "pass a Hugging Face Qwen3 checkpoint directory (config.json + safetensors)")
+
+
+def load_qwen3_config(model_dir: str | pathlib.Path) -> Qwen3Config:
+    path = pathlib.Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: --model must be a local Qwen3 checkpoint directory")
+    cfg = Qwen3Config.from_pretrained(str(model_dir))
+    if cfg.model_type != "qwen3":
+        raise ValueError(f"{path}: model_type={cfg.model_type!r}, expected 'qwen3'")
+    return cfg
+
+
+@torch.no_grad()
+def load_backbone_weights(model: TTTQwen3ForCausalLM, model_dir: str | pathlib.Path) -> list[str]:
+    """Copy a checkpoint's tensors into `model`; returns the (prime) parameters left at their init."""
+    model_dir = pathlib.Path(model_dir)
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for shard, names in checkpoint_shards(model_dir).items():
+        with safe_open(str(model_dir / shard), "pt") as f:
+            for name in names:
+                if name not in params:
+                    if not name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved RoPE buffers
+                        raise KeyError(f"{model_dir / shard}: tensor {name!r} has no parameter in the TTT model "
+                                       "(is this a Qwen3 checkpoint?)")
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.shape != params[name].shape:
+                    raise ValueError(f"{model_dir / shard}: {name} has shape {tuple(tensor.shape)}, "
+                                     f"model expects {tuple(params[name].shape)}")
+                params[name].copy_(tensor.to(params[name].dtype))
+                seen.add(name)
+    missing = sorted(set(params) - seen)
+    if "lm_head.weight" in missing and model.config.tie_word_embeddings:
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        missing.remove("lm_head.weight")
+    not_prime = [n for n in missing if not is_prime_param(n)]
+    if not_prime:
+        raise KeyError(f"{model_dir}: checkpoint lacks backbone tensors {not_prime[:5]}"
+                       f"{' ...' if len(not_prime) > 5 else ''}")
+    return missing
+
+
+def load_hf_qwen3(model_dir: str | pathlib.Path, ttt: TTTConfig, *, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu") -> TTTQwen3ForCausalLM:
+    """A TTT model whose backbone is the checkpoint in `model_dir` and whose prime MLPs are fresh."""
+    cfg = load_qwen3_config(model_dir)
+    with torch.device(device):
+        model = TTTQwen3ForCausalLM(cfg, ttt).to(dtype)
+    load_backbone_weights(model, model_dir)
+    return model

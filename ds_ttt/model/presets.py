@@ -1,0 +1,51 @@
+"""Backbone presets as transformers `Qwen3Config` objects: the real Qwen3-8B shape and tiny CPU models.
+
+    from ds_ttt.model.presets import backbone_config
+    cfg = backbone_config("tiny")          # 8 layers, hidden 64, 4 q / 2 kv heads, full Qwen3 vocab
+    cfg = backbone_config("qwen3-8b")      # 36 layers, hidden 4096, 32 / 8 heads, head_dim 128
+
+Tiny presets keep Qwen3's architecture (qk-norm, GQA, RoPE theta 1e6, untied embeddings) so every
+code path of the 8B model runs on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+from transformers import Qwen3Config
+
+QWEN3_VOCAB_SIZE = 151936
+
+
+def qwen3_8b_config() -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=QWEN3_VOCAB_SIZE, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False, attention_bias=False,
+        hidden_act="silu", torch_dtype="bfloat16",
+    )
+
+
+def tiny_qwen3_config(*, num_hidden_layers: int = 8, hidden_size: int = 64, intermediate_size: int = 128,
+                      num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 16,
+                      vocab_size: int = QWEN3_VOCAB_SIZE, max_position_embeddings: int = 16384) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        tie_word_embeddings=False, attention_bias=False, hidden_act="silu", torch_dtype="float32",
+    )
+
+
+PRESETS = {
+    "qwen3-8b": qwen3_8b_config,
+    "tiny": tiny_qwen3_config,
+    "tiny-128": lambda: tiny_qwen3_config(hidden_size=128, intermediate_size=256, head_dim=32),
+}
+
+
+def backbone_config(name: str) -> Qwen3Config:
+    """A preset by name; raises naming the known presets."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)} "
+                         "(or pass a local Qwen3 checkpoint directory)")
+    return PRESETS[name]()

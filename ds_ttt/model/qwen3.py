@@ -1,0 +1,221 @@
+"""Single-device Qwen3 with fast-weight "prime" MLPs in its last layers (architecture only).
+
+Parameter names are transformers' Qwen3 names (`model.layers.N.self_attn.q_proj.weight`, ...,
+`lm_head.weight`), so a Hugging Face checkpoint loads 1:1; the adaptive layers add
+`model.layers.N.prime_layernorm.weight` and `model.layers.N.prime_mlp.{gate,up,down}_proj.weight`.
+
+A decoder layer computes
+    h = h + attn(input_layernorm(h))
+    h = h + prime_mlp(prime_layernorm(h); W)        (adaptive layers only; W = fast weights)
+    h = h + mlp(post_attention_layernorm(h))
+Attention is injected as an `attend(q, k, v)` callable so the same block runs (a) over a whole
+sequence with SDPA and a context-policy mask (frozen prefix layers, plain logits) and (b) event by
+event against a key/value cache with the twice-differentiable FlashBoB attention (the inner loop).
+The pipeline engine builds its stages from these same classes (ds_ttt/train/pipeline.py).
+
+    from ds_ttt.model.presets import backbone_config
+    from ds_ttt.config import TTTConfig
+    model = TTTQwen3ForCausalLM(backbone_config("tiny"), TTTConfig())
+    logits = model(input_ids)                                   # base model + W_0 (== Qwen3 at init)
+    out = model.trajectory_loss(input_ids, kinds, rounds)     # inner loop, outer loss
+
+Shape letters: B batch, T tokens, C hidden, H heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention, Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb)
+
+from ds_ttt.config import TTTConfig
+from ds_ttt.model.context import ContextPolicy
+from ds_ttt.model.fast_weights import FastWeights, PrimeMLP
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa_attend(mask_B1TT: torch.Tensor | None, scale: float) -> Attend:
+    """Whole-sequence attention (first order is enough: used only outside the inner loop)."""
+    def attend(q_BHTD, k_BHTD, v_BHTD):
+        return F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, attn_mask=mask_B1TT,
+                                              is_causal=mask_B1TT is None, scale=scale, enable_gqa=True)
+    return attend
+
+
+class RMSNorm(Qwen3RMSNorm):
+    """Qwen3's RMSNorm, computed in at least fp32 (HF's always rounds through fp32, which would make
+    float64 finite-difference checks of the meta-gradient meaningless). Identical for fp32/bf16."""
+
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        x = hidden_states.to(torch.promote_types(dtype, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class TTTAttention(Qwen3Attention):
+    """Qwen3's attention (same parameters, qk-norm, RoPE) with the attention kernel injected."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_BTC, position_embeddings, attend: Attend):
+        b, t, _ = hidden_BTC.shape
+        shape = (b, t, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(hidden_BTC).view(shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_BTC).view(shape)).transpose(1, 2)
+        v = self.v_proj(hidden_BTC).view(shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        o_BHTD = attend(q, k, v)
+        return self.o_proj(o_BHTD.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+
+class TTTDecoderLayer(nn.Module):
+    """A Qwen3 decoder layer; with `prime_intermediate_size` it also carries a prime MLP."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int, prime_intermediate_size: int | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = TTTAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.is_adaptive = prime_intermediate_size is not None
+        if self.is_adaptive:
+            self.prime_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.prime_mlp = PrimeMLP(config.hidden_size, prime_intermediate_size)
+
+    def forward(self, hidden_BTC, position_embeddings, attend: Attend, prime_weights: FastWeights | None = None):
+        """Returns (hidden, (k, v)); `prime_weights` overrides W_0 of an adaptive layer."""
+        attn_out, kv = self.self_attn(self.input_layernorm(hidden_BTC), position_embeddings, attend)
+        h = hidden_BTC + attn_out
+        if self.is_adaptive:
+            h = h + self.prime_mlp(self.prime_layernorm(h), prime_weights)
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
+class TTTQwen3Model(nn.Module):
+    def __init__(self, config: Qwen3Config, ttt: TTTConfig):
+        super().__init__()
+        num_adaptive = ttt.num_adaptive(config.num_hidden_layers)
+        first_adaptive = config.num_hidden_layers - num_adaptive
+        prime_width = ttt.prime_intermediate_size or config.intermediate_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            TTTDecoderLayer(config, i, prime_width if i >= first_adaptive else None)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+
+class TTTQwen3ForCausalLM(nn.Module):
+    def __init__(self, config: Qwen3Config, ttt: TTTConfig):
+        super().__init__()
+        ttt.validate(config.num_hidden_layers)
+        self.config, self.ttt = config, ttt
+        self.model = TTTQwen3Model(config, ttt)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.num_adaptive = ttt.num_adaptive(config.num_hidden_layers)
+        self.first_adaptive = config.num_hidden_layers - self.num_adaptive
+        self.policy = ContextPolicy.from_ttt(ttt)
+        self.reset_parameters()
+
+    # ---- structure -------------------------------------------------------------------------
+    @property
+    def prefix_layers(self) -> list[TTTDecoderLayer]:
+        return list(self.model.layers[: self.first_adaptive])
+
+    @property
+    def adaptive_layers(self) -> list[TTTDecoderLayer]:
+        return list(self.model.layers[self.first_adaptive:])
+
+    def initial_fast_weights(self) -> FastWeights:
+        return tuple(w for layer in self.adaptive_layers for w in layer.prime_mlp.initial_weights())
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float | None = None) -> None:
+        """HF-style init: normal(0, initializer_range) linears/embeddings, ones for norms, zero prime down."""
+        std = self.config.initializer_range if std is None else std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, Qwen3RMSNorm):
+                module.weight.fill_(1.0)
+        for layer in self.adaptive_layers:
+            layer.prime_mlp.down_proj.weight.zero_()
+
+    # ---- forward passes ----------------------------------------------------------------------
+    def position_embeddings(self, hidden_BTC, positions_BT):
+        return self.model.rotary_emb(hidden_BTC, positions_BT)
+
+    def forward(self, input_ids_BT: torch.Tensor, rounds_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] with the initial fast weights W_0 and no updates (the context policy
+        applies when `rounds_BT` is given; without it the policy must be "full" or "window")."""
+        h = self.model.embed_tokens(input_ids_BT)
+        h = self.run_layers(self.model.layers, h, rounds_BT)
+        return self.lm_head(self.model.norm(h))
+
+    def run_layers(self, layers, hidden_BTC, rounds_BT: torch.Tensor | None) -> torch.Tensor:
+        """Whole-sequence pass through `layers` under the context policy (W_0 in adaptive layers)."""
+        b, t, _ = hidden_BTC.shape
+        if rounds_BT is None and self.policy.kind == "current_round":
+            raise ValueError("context_policy='current_round' needs rounds_BT (round id per token)")
+        positions_BT = torch.arange(t, device=hidden_BTC.device).expand(b, t)
+        pos_emb = self.position_embeddings(hidden_BTC, positions_BT)
+        mask = self.policy.mask(rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT))
+        attend = sdpa_attend(mask, self.model.layers[0].self_attn.scaling)
+        for layer in layers:
+            hidden_BTC, _ = layer(hidden_BTC, pos_emb, attend)
+        return hidden_BTC
+
+    def trajectory_loss(self, input_ids_BT, kinds_BT, rounds_BT, *, create_graph: bool | None = None,
+                        update: bool = True, record: bool = False):
+        """Meta-training objective on a right-padded batch of rendered trajectories.
+
+        The frozen-path prefix runs once over the whole sequence; the adaptive suffix runs the
+        event loop (ds_ttt/model/event_loop.py). create_graph defaults to torch.is_grad_enabled().
+        """
+        from ds_ttt.model.event_loop import SuffixModules, run_event_loop
+
+        h = self.model.embed_tokens(input_ids_BT)
+        h = self.run_layers(self.prefix_layers, h, rounds_BT)
+        suffix = SuffixModules(layers=self.adaptive_layers, norm=self.model.norm, lm_head=self.lm_head,
+                               rotary_emb=self.model.rotary_emb)
+        return run_event_loop(suffix, self.ttt, h, input_ids_BT, kinds_BT, rounds_BT,
+                              create_graph=torch.is_grad_enabled() if create_graph is None else create_graph,
+                              update=update, record=record)
+
+    # ---- training scope ----------------------------------------------------------------------
+    def set_trainable_scope(self, scope: str | None = None) -> None:
+        """prime: prime MLPs + their norms; suffix: the adaptive layers (+ final norm, LM head); all."""
+        scope = scope or self.ttt.trainable_scope
+        for name, p in self.named_parameters():
+            if scope == "all":
+                p.requires_grad_(True)
+            elif scope == "suffix":
+                p.requires_grad_(is_suffix_param(name, self.first_adaptive))
+            elif scope == "prime":
+                p.requires_grad_(".prime_" in name)
+            else:
+                raise ValueError(f"unknown trainable scope {scope!r}")
+        if self.num_adaptive == 0 and scope == "prime":
+            raise ValueError("trainable_scope='prime' with adaptive_layers=0 trains nothing; "
+                             "use 'suffix' or 'all' for the SFT baseline")
+
+
+def is_suffix_param(name: str, first_adaptive: int) -> bool:
+    if name.startswith("lm_head.") or name.startswith("model.norm."):
+        return True
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2]) >= first_adaptive
+    return False

@@ -1,0 +1,32 @@
+"""Shared pytest fixtures: tiny seeded Qwen3-architecture configs and models (nothing is downloaded).
+
+Run the suite with `python -m pytest` from the repository root (see README.md).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture
+def tiny_qwen3_config():
+    """8 layers (divisible by 4), hidden 64, 4 q / 2 kv heads, head_dim 16, vocab 256."""
+    from ds_ttt.model.presets import tiny_qwen3_config as make
+
+    return make(num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=256)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

@@ -3,12 +3,14 @@
     AttnFunc.forward      -> op.fwd      (O, logsumexp L)
     AttnFunc.backward     -> AttnBwdFunc.apply(...)  (so create_graph=True records a node)
     AttnBwdFunc.forward   -> op.bwd      (dQ, dK, dV)
-    AttnBwdFunc.backward  -> op.bwd_bwd  (Q̄, K̄, V̄, dŌ)  two-pass BoB, @once_differentiable
+    AttnBwdFunc.backward  -> AttnBwdBwdFunc.apply(...)
+    AttnBwdBwdFunc.forward  -> op.bwd_bwd (Q̄, K̄, V̄, dŌ)  two-pass BoB
+    AttnBwdBwdFunc.backward -> raises (third derivatives are not implemented)
 
 O and L enter AttnBwdFunc as saved, detached values: the BoB formulas already contain their
 dependence on Q, K, V (flashbob_math.md), so they get no gradient of their own. Tangents that
 autograd does not provide (None: that first-order output was not used) are passed as None so the
-kernel skips their products; a third derivative raises (once_differentiable).
+kernel skips their products; a third derivative raises a clear RuntimeError.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from .builder import load_cpu_op, load_cuda_op
 
-__all__ = ["AttnFunc", "AttnBwdFunc"]
+__all__ = ["AttnFunc", "AttnBwdFunc", "AttnBwdBwdFunc"]
 
 
 def _op(backend: str):
@@ -76,13 +78,32 @@ class AttnBwdFunc(torch.autograd.Function):
         return dq, dk, dv
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, uq, uk, uv):
         none = (None,) * 12
         if uq is None and uk is None and uv is None:
             return none
         q, k, v, o, lse, do, dq = ctx.saved_tensors
-        backend, causal, scale, window, q_offset, k_offset = ctx.cfg
-        qbar, kbar, vbar, dobar = _attn_bwd_bwd(backend, q, k, v, o, lse, do, dq, uq, uk, uv,
-                                                causal, scale, window, q_offset, k_offset)
+        qbar, kbar, vbar, dobar = AttnBwdBwdFunc.apply(q, k, v, o, lse, do, dq, uq, uk, uv,
+                                                       *ctx.cfg)
         return (qbar, kbar, vbar, None, None, dobar) + (None,) * 6
+
+
+class AttnBwdBwdFunc(torch.autograd.Function):
+    """The BoB kernel as a node whose own backward refuses: a third derivative fails loudly.
+
+    (`@once_differentiable` alone is not enough: its error node hangs off detached aliases, so
+    `torch.autograd.grad(..., inputs=q)` prunes it and silently drops terms.)
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, o, lse, do, dq, uq, uk, uv, backend, causal, scale, window,
+                q_offset, k_offset):
+        return _attn_bwd_bwd(backend, q, k, v, o, lse, do, dq, uq, uk, uv, causal, scale,
+                             window, q_offset, k_offset)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        raise RuntimeError("flashbob attention is twice differentiable only: a third derivative "
+                           "(differentiating the backward-over-backward) is not implemented; "
+                           "use backend='reference' for higher orders")

@@ -13,8 +13,8 @@
 //                 the group (first-backward dK, dV; BoB K̄, V̄), so GQA sums need no atomics.
 // Tasks are scheduled dynamically over OpenMP threads (heaviest causal blocks first).
 // Tiles the mask empties are skipped; fully visible tiles skip per-element masking.
-// P = exp2(S·τ·log2 e − L·log2 e). Scalars and accumulators are in T (float or double).
-// Fully masked rows store L = +inf and produce exact zeros.
+// P = exp2(S·τ·log2 e − m2) / l with per-row stats (m2, 1/l). Scalars and accumulators are in T (float or double).
+// Fully masked rows store (m2, 1/l) = (+inf, 0) and produce exact zeros.
 //
 // Small GEMMs are written as register-blocked outer products (4 rows x 2 vector widths of
 // accumulators) whose inner loops are contiguous so -O3 -march=native vectorizes them.
@@ -136,24 +136,26 @@ struct Geometry {
 };
 
 constexpr double kLog2e = 1.4426950408889634;
-constexpr double kLn2 = 0.6931471805599453;
 
-// P tile: S = Q·Kᵀ (kT is the D x BN panel), P = exp2(S·scale2 − L2), zero where masked.
+// P tile: S = Q·Kᵀ (kT is the D x BN panel), P = exp2(S·scale2 − m2)·inv_l, zero where masked.
+// stats holds (m2, inv_l) per row: the row max in log2 units and 1 / Σ exp2(S·scale2 − m2).
+// Keeping m2 and l apart (instead of one L = m + log l) keeps P's relative error at a few ulps:
+// exp2(S2 − L2) would carry |L2|·eps, which the BoB cancellations (Ω − E°∘B) amplify.
 template <typename T>
-inline void compute_p(const Geometry& g, const T* Q, const T* kT, const T* L2, int64_t r0, int bm,
-                      int64_t c0, int bn, int cls, T scale2, T* P) {
+inline void compute_p(const Geometry& g, const T* Q, const T* kT, const T* stats, int64_t r0,
+                      int bm, int64_t c0, int bn, int cls, T scale2, T* P) {
   const int D = (int)g.D;
   for (int i = 0; i < bm; ++i) zero(P + (int64_t)i * BN, bn);
   gemm_acc<T>(bm, bn, D, Q, D, 1, kT, BN, P, BN);
   for (int i = 0; i < bm; ++i) {
     T* row = P + (int64_t)i * BN;
-    const T l2 = L2[i];
-    if (std::isinf(l2)) {  // fully masked row
+    const T m2 = stats[2 * i], inv_l = stats[2 * i + 1];
+    if (inv_l == T(0)) {  // fully masked row
       zero(row, bn);
       continue;
     }
 #pragma omp simd
-    for (int j = 0; j < bn; ++j) row[j] = std::exp2(row[j] * scale2 - l2);
+    for (int j = 0; j < bn; ++j) row[j] = std::exp2(row[j] * scale2 - m2) * inv_l;
     if (cls == 1)
       for (int j = 0; j < bn; ++j)
         if (!g.visible(r0 + i, c0 + j)) row[j] = T(0);
@@ -162,7 +164,7 @@ inline void compute_p(const Geometry& g, const T* Q, const T* kT, const T* L2, i
 
 // ---------------------------------------------------------------- forward (row pass)
 template <typename T>
-void fwd_impl(const Geometry& g, const T* q, const T* k, const T* v, T* o, T* lse, T scale) {
+void fwd_impl(const Geometry& g, const T* q, const T* k, const T* v, T* o, T* stats, T scale) {
   const int64_t D = g.D, nrb = (g.Nq + BM - 1) / BM, total = g.B * g.Hq * nrb;
   const T scale2 = scale * T(kLog2e);
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -222,15 +224,17 @@ void fwd_impl(const Geometry& g, const T* q, const T* k, const T* v, T* o, T* ls
         gemm_acc<T>(bm, (int)D, bn, S.data(), BN, 1, V + c0 * D, D, acc.data(), D);
       }
       T* O = o + ((b * g.Hq + h) * g.Nq + r0) * D;
-      T* Lr = lse + (b * g.Hq + h) * g.Nq + r0;
+      T* st = stats + ((b * g.Hq + h) * g.Nq + r0) * 2;
       for (int i = 0; i < bm; ++i) {
         if (l[i] > T(0)) {
           const T inv = T(1) / l[i];
           for (int d = 0; d < D; ++d) O[i * D + d] = acc[i * D + d] * inv;
-          Lr[i] = (m[i] + std::log2(l[i])) * T(kLn2);
-        } else {
+          st[2 * i] = m[i];
+          st[2 * i + 1] = inv;
+        } else {  // fully masked row: O = 0 and P = 0 in every backward pass
           for (int d = 0; d < D; ++d) O[i * D + d] = T(0);
-          Lr[i] = std::numeric_limits<T>::infinity();
+          st[2 * i] = std::numeric_limits<T>::infinity();
+          st[2 * i + 1] = T(0);
         }
       }
     }
@@ -246,16 +250,16 @@ void bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T* o,
   // D_i = <dO_i, O_i>
   at::parallel_for(0, g.B * g.Hq * g.Nq, 1024, [&](int64_t s, int64_t e) {
     for (int64_t r = s; r < e; ++r) {
-      T acc = 0;
-      for (int64_t d = 0; d < D; ++d) acc += dout[r * D + d] * o[r * D + d];
-      delta[r] = acc;
+      double acc = 0;
+      for (int64_t d = 0; d < D; ++d) acc += (double)dout[r * D + d] * o[r * D + d];
+      delta[r] = (T)acc;
     }
   });
   // Row pass: dQ = τ Σ_j dS K.
   const int64_t total_r = g.B * g.Hq * nrb;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<T> kT(D * BN), vT(D * BN), P(BM * BN), dP(BM * BN), acc(BM * D), L2(BM);
+    std::vector<T> kT(D * BN), vT(D * BN), P(BM * BN), dP(BM * BN), acc(BM * D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < total_r; ++w) {
       const int64_t rb = nrb - 1 - (w % nrb), bh = w / nrb, b = bh / g.Hq, h = bh % g.Hq;
@@ -266,8 +270,7 @@ void bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T* o,
       const T* Dl = delta + row_base;
       const T* K = k + (b * g.Hkv + hk) * g.Nk * D;
       const T* V = v + (b * g.Hkv + hk) * g.Nk * D;
-      for (int i = 0; i < bm; ++i) L2[i] = lse[row_base + i] * T(kLog2e);
-      zero(acc.data(), BM * D);
+            zero(acc.data(), BM * D);
       int64_t lo, hi;
       g.col_range(r0, r0 + bm, lo, hi);
       for (int64_t c0 = (lo / BN) * BN; c0 < hi; c0 += BN) {
@@ -276,7 +279,7 @@ void bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T* o,
         if (cls == 0) continue;
         transpose_tile(K + c0 * D, bn, (int)D, kT.data());
         transpose_tile(V + c0 * D, bn, (int)D, vT.data());
-        compute_p(g, Q, kT.data(), L2.data(), r0, bm, c0, bn, cls, scale2, P.data());
+        compute_p(g, Q, kT.data(), lse + row_base * 2, r0, bm, c0, bn, cls, scale2, P.data());
         for (int i = 0; i < bm; ++i) zero(dP.data() + (int64_t)i * BN, bn);
         gemm_acc<T>(bm, bn, (int)D, dO, D, 1, vT.data(), BN, dP.data(), BN);
         for (int i = 0; i < bm; ++i) {
@@ -296,8 +299,7 @@ void bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T* o,
   const int64_t total_c = g.B * g.Hkv * ncb;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<T> kT(D * BN), vT(D * BN), P(BM * BN), dP(BM * BN), dk_acc(BN * D), dv_acc(BN * D),
-        L2(BM);
+    std::vector<T> kT(D * BN), vT(D * BN), P(BM * BN), dP(BM * BN), dk_acc(BN * D), dv_acc(BN * D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < total_c; ++w) {
       const int64_t cb = w % ncb, bk = w / ncb, b = bk / g.Hkv, hk = bk % g.Hkv, c0 = cb * BN;
@@ -318,8 +320,7 @@ void bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T* o,
           const int64_t row_base = (b * g.Hq + h) * g.Nq + r0;
           const T* Q = q + row_base * D;
           const T* dO = dout + row_base * D;
-          for (int i = 0; i < bm; ++i) L2[i] = lse[row_base + i] * T(kLog2e);
-          compute_p(g, Q, kT.data(), L2.data(), r0, bm, c0, bn, cls, scale2, P.data());
+                    compute_p(g, Q, kT.data(), lse + row_base * 2, r0, bm, c0, bn, cls, scale2, P.data());
           for (int i = 0; i < bm; ++i) zero(dP.data() + (int64_t)i * BN, bn);
           gemm_acc<T>(bm, bn, (int)D, dO, D, 1, vT.data(), BN, dP.data(), BN);
           for (int i = 0; i < bm; ++i) {
@@ -354,11 +355,11 @@ struct BobTiles {
 
 template <typename T>
 inline void bob_tile(const Geometry& g, BobTiles<T>& t, const T* Q, const T* dO, const T* UQ,
-                     const T* L2, const T* Dl, int64_t r0, int bm, int64_t c0, int bn, int cls,
+                     const T* stats, const T* Dl, int64_t r0, int bm, int64_t c0, int bn, int cls,
                      T scale, T scale2, bool has_uq, bool has_uk, bool has_uv) {
   const int D = (int)g.D;
   const bool has_f = has_uq || has_uk;
-  compute_p(g, Q, t.kT.data(), L2, r0, bm, c0, bn, cls, scale2, t.P.data());
+  compute_p(g, Q, t.kT.data(), stats, r0, bm, c0, bn, cls, scale2, t.P.data());
   for (int i = 0; i < bm; ++i) zero(t.dPs.data() + (int64_t)i * BN, bn);
   gemm_acc<T>(bm, bn, D, dO, D, 1, t.vT.data(), BN, t.dPs.data(), BN);  // dP
   if (has_f) {
@@ -397,7 +398,8 @@ void bwd_bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     BobTiles<T> t(D);
-    std::vector<T> aout(BM * D), omega(BM * D), bacc(BM * D), L2(BM), Dl(BM), al(BM), e0(BM);
+    std::vector<T> tmp(BM * D), Dl(BM);
+    std::vector<double> aout(BM * D), omega(BM * D), bacc(BM * D), al(BM), e0(BM);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < total_r; ++w) {
       const int64_t rb = nrb - 1 - (w % nrb), bh = w / nrb, b = bh / g.Hq, h = bh % g.Hq;
@@ -413,16 +415,15 @@ void bwd_bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T
       const T* UK = has_uk ? uk + kv0 : nullptr;
       const T* UV = has_uv ? uv + kv0 : nullptr;
       for (int i = 0; i < bm; ++i) {
-        L2[i] = lse[row_base + i] * T(kLog2e);
-        T acc = 0;
-        for (int64_t d = 0; d < D; ++d) acc += dO[i * D + d] * O[i * D + d];
-        Dl[i] = acc;
+        double acc = 0;
+        for (int64_t d = 0; d < D; ++d) acc += (double)dO[i * D + d] * O[i * D + d];
+        Dl[i] = (T)acc;
         al[i] = 0;
         e0[i] = 0;
       }
-      zero(aout.data(), BM * D);
-      zero(omega.data(), BM * D);
-      zero(bacc.data(), BM * D);
+      std::fill(aout.begin(), aout.end(), 0.0);
+      std::fill(omega.begin(), omega.end(), 0.0);
+      std::fill(bacc.begin(), bacc.end(), 0.0);
       int64_t lo, hi;
       g.col_range(r0, r0 + bm, lo, hi);
       for (int64_t c0 = (lo / BN) * BN; c0 < hi; c0 += BN) {
@@ -433,7 +434,7 @@ void bwd_bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T
         transpose_tile(V + c0 * D, bn, (int)D, t.vT.data());
         if (has_uk) transpose_tile(UK + c0 * D, bn, (int)D, t.ukT.data());
         if (has_uv) transpose_tile(UV + c0 * D, bn, (int)D, t.uvT.data());
-        bob_tile(g, t, Q, dO, UQ, L2.data(), Dl.data(), r0, bm, c0, bn, cls, scale, scale2,
+        bob_tile(g, t, Q, dO, UQ, lse + row_base * 2, Dl.data(), r0, bm, c0, bn, cls, scale, scale2,
                  has_uq, has_uk, has_uv);
         // Row sums α += Σ P∘F, E° += Σ P∘P̄°; dS = P∘(dP − D) in place of dPs; W = P∘P̄°.
         for (int i = 0; i < bm; ++i) {
@@ -442,7 +443,7 @@ void bwd_bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T
           T* f = t.F.data() + (int64_t)i * BN;
           T* wpb = t.Pb0.data() + (int64_t)i * BN;
           const T di = Dl[i];
-          T sa = 0, se = 0;
+          double sa = 0, se = 0;  // row sums in double: they feed cancellations (E = E° − αD)
           if (has_f) {
 #pragma omp simd reduction(+ : sa)
             for (int j = 0; j < bn; ++j) {
@@ -459,12 +460,23 @@ void bwd_bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T
           al[i] += sa;
           e0[i] += se;
         }
+        // Each tile's products go to T scratch, then into double accumulators (for float this
+        // halves the error of Q̄ = τ(Ω − E°∘B) − α∘dQ, whose terms partly cancel).
         const T* Kt = K + c0 * D;
-        if (has_uv) gemm_acc<T>(bm, (int)D, bn, t.P.data(), BN, 1, UV + c0 * D, D, aout.data(), D);
-        if (has_f) gemm_acc<T>(bm, (int)D, bn, t.F.data(), BN, 1, V + c0 * D, D, aout.data(), D);
-        gemm_acc<T>(bm, (int)D, bn, t.Pb0.data(), BN, 1, Kt, D, omega.data(), D);
-        if (has_uk) gemm_acc<T>(bm, (int)D, bn, t.dPs.data(), BN, 1, UK + c0 * D, D, omega.data(), D);
-        gemm_acc<T>(bm, (int)D, bn, t.P.data(), BN, 1, Kt, D, bacc.data(), D);
+        const int64_t n = (int64_t)bm * D;
+        if (has_uv || has_f) {
+          zero(tmp.data(), n);
+          if (has_uv) gemm_acc<T>(bm, (int)D, bn, t.P.data(), BN, 1, UV + c0 * D, D, tmp.data(), D);
+          if (has_f) gemm_acc<T>(bm, (int)D, bn, t.F.data(), BN, 1, V + c0 * D, D, tmp.data(), D);
+          for (int64_t x = 0; x < n; ++x) aout[x] += tmp[x];
+        }
+        zero(tmp.data(), n);
+        gemm_acc<T>(bm, (int)D, bn, t.Pb0.data(), BN, 1, Kt, D, tmp.data(), D);
+        if (has_uk) gemm_acc<T>(bm, (int)D, bn, t.dPs.data(), BN, 1, UK + c0 * D, D, tmp.data(), D);
+        for (int64_t x = 0; x < n; ++x) omega[x] += tmp[x];
+        zero(tmp.data(), n);
+        gemm_acc<T>(bm, (int)D, bn, t.P.data(), BN, 1, Kt, D, tmp.data(), D);
+        for (int64_t x = 0; x < n; ++x) bacc[x] += tmp[x];
       }
       // Epilogue: E = E° − α D; dŌ = P U_V + (P∘F) V − α∘O; Q̄ = τ(Ω − E°∘B) − α∘dQ.
       const T* dQ = dq + row_base * D;
@@ -473,11 +485,11 @@ void bwd_bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T
       for (int i = 0; i < bm; ++i) {
         delta[row_base + i] = Dl[i];
         alpha[row_base + i] = al[i];
-        ecorr[row_base + i] = e0[i] - al[i] * Dl[i];
+        ecorr[row_base + i] = (T)e0[i];  // the column pass uses E° (see S̄ there); E = E° − α·D
         for (int64_t d = 0; d < D; ++d) {
           const int64_t x = i * D + d;
-          DOB[x] = aout[x] - al[i] * O[x];
-          QB[x] = scale * (omega[x] - e0[i] * bacc[x]) - al[i] * dQ[x];
+          DOB[x] = (T)(aout[x] - al[i] * O[x]);
+          QB[x] = (T)(scale * (omega[x] - e0[i] * bacc[x]) - al[i] * dQ[x]);
         }
       }
     }
@@ -488,7 +500,8 @@ void bwd_bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     BobTiles<T> t(D);
-    std::vector<T> kb(BN * D), vb(BN * D), L2(BM);
+    std::vector<T> kt(BN * D), vt(BN * D);  // one row tile's contribution
+    std::vector<double> kb(BN * D), vb(BN * D);  // sums over the G·Nq rows: double for float
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < total_c; ++w) {
       const int64_t cb = w % ncb, bk = w / ncb, b = bk / g.Hkv, hk = bk % g.Hkv, c0 = cb * BN;
@@ -498,8 +511,8 @@ void bwd_bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T
       transpose_tile(v + kv_base * D, bn, (int)D, t.vT.data());
       if (has_uk) transpose_tile(uk + kv_base * D, bn, (int)D, t.ukT.data());
       if (has_uv) transpose_tile(uv + kv_base * D, bn, (int)D, t.uvT.data());
-      zero(kb.data(), BN * D);
-      zero(vb.data(), BN * D);
+      std::fill(kb.begin(), kb.end(), 0.0);
+      std::fill(vb.begin(), vb.end(), 0.0);
       int64_t lo, hi;
       g.row_range(c0, c0 + bn, lo, hi);
       for (int64_t gi = 0; gi < g.G; ++gi) {
@@ -514,9 +527,8 @@ void bwd_bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T
           const T* UQ = has_uq ? uq + row_base * D : nullptr;
           const T* Dl = delta + row_base;
           const T* al = alpha + row_base;
-          const T* E = ecorr + row_base;
-          for (int i = 0; i < bm; ++i) L2[i] = lse[row_base + i] * T(kLog2e);
-          bob_tile(g, t, Q, dO, UQ, L2.data(), Dl, r0, bm, c0, bn, cls, scale, scale2, has_uq,
+          const T* E0 = ecorr + row_base;
+                    bob_tile(g, t, Q, dO, UQ, lse + row_base * 2, Dl, r0, bm, c0, bn, cls, scale, scale2, has_uq,
                    has_uk, has_uv);
           // W = P∘h = P∘(F − α) ; S̄ = P∘(P̄° − α dP − E) (into Pb0) ; dS = P∘(dP − D) (into dPs).
           for (int i = 0; i < bm; ++i) {
@@ -525,26 +537,34 @@ void bwd_bwd_impl(const Geometry& g, const T* q, const T* k, const T* v, const T
             T* wh = t.W.data() + (int64_t)i * BN;
             T* sb = t.Pb0.data() + (int64_t)i * BN;
             T* ds = t.dPs.data() + (int64_t)i * BN;
-            const T a = al[i], e = E[i], di = Dl[i];
+            const T a = al[i], e = E0[i], di = Dl[i];
             if (has_f) {
 #pragma omp simd
               for (int j = 0; j < bn; ++j) wh[j] = p[j] * (f[j] - a);
             }
 #pragma omp simd
             for (int j = 0; j < bn; ++j) {
-              const T dp = ds[j];
-              sb[j] = p[j] * (sb[j] - a * dp - e);
-              ds[j] = p[j] * (dp - di);
+              const T dps = ds[j] - di;
+              // S̄ = P∘(P̄ − E) = P∘(P̄° − α·dP − E° + α·D) = P∘(P̄° − α·(dP − D) − E°):
+              // the grouped form avoids cancelling the large α·dP against α·D.
+              sb[j] = p[j] * (sb[j] - a * dps - e);
+              ds[j] = p[j] * dps;
             }
           }
-          if (has_f) gemm_acc<T>(bn, (int)D, bm, t.W.data(), 1, BN, dO, D, vb.data(), D);
-          gemm_acc<T>(bn, (int)D, bm, t.Pb0.data(), 1, BN, Q, D, kb.data(), D);
-          if (has_uq) gemm_acc<T>(bn, (int)D, bm, t.dPs.data(), 1, BN, UQ, D, kb.data(), D);
+          if (has_f) {
+            zero(vt.data(), bn * D);
+            gemm_acc<T>(bn, (int)D, bm, t.W.data(), 1, BN, dO, D, vt.data(), D);
+            for (int64_t x = 0; x < bn * D; ++x) vb[x] += vt[x];
+          }
+          zero(kt.data(), bn * D);
+          gemm_acc<T>(bn, (int)D, bm, t.Pb0.data(), 1, BN, Q, D, kt.data(), D);
+          if (has_uq) gemm_acc<T>(bn, (int)D, bm, t.dPs.data(), 1, BN, UQ, D, kt.data(), D);
+          for (int64_t x = 0; x < bn * D; ++x) kb[x] += kt[x];
         }
       }
       for (int64_t x = 0; x < bn * D; ++x) {
-        kbar[kv_base * D + x] = kb[x] * scale;
-        vbar[kv_base * D + x] = vb[x];
+        kbar[kv_base * D + x] = (T)(kb[x] * scale);
+        vbar[kv_base * D + x] = (T)vb[x];
       }
     }
   }
@@ -586,7 +606,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                             double scale) {
   const Geometry g = make_geometry(q, k, v, causal, window, q_off, k_off);
   auto o = at::empty_like(q);
-  auto lse = at::empty({g.B, g.Hq, g.Nq}, q.options());
+  auto lse = at::empty({g.B, g.Hq, g.Nq, 2}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "flashbob_fwd", [&] {
     fwd_impl<scalar_t>(g, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                        o.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), (scalar_t)scale);
@@ -601,8 +621,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& q, const at::Tensor& k, const at::
   const Geometry g = make_geometry(q, k, v, causal, window, q_off, k_off);
   check_like(o, "o", q);
   check_like(dout, "dout", q);
-  TORCH_CHECK(lse.is_contiguous() && lse.numel() == g.B * g.Hq * g.Nq &&
-                  lse.scalar_type() == q.scalar_type(), "lse must be contiguous [B, Hq, Nq]");
+  TORCH_CHECK(lse.is_contiguous() && lse.numel() == g.B * g.Hq * g.Nq * 2 &&
+                  lse.scalar_type() == q.scalar_type(), "stats must be contiguous [B, Hq, Nq, 2]");
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   auto delta = at::empty({g.B, g.Hq, g.Nq}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "flashbob_bwd", [&] {
@@ -630,8 +650,8 @@ std::vector<at::Tensor> bwd_bwd(const at::Tensor& q, const at::Tensor& k, const 
   if (uk) check_like(*uk, "uk", k);
   if (uv) check_like(*uv, "uv", k);
   TORCH_CHECK(uq || uk || uv, "bwd_bwd needs at least one tangent");
-  TORCH_CHECK(lse.is_contiguous() && lse.numel() == g.B * g.Hq * g.Nq &&
-                  lse.scalar_type() == q.scalar_type(), "lse must be contiguous [B, Hq, Nq]");
+  TORCH_CHECK(lse.is_contiguous() && lse.numel() == g.B * g.Hq * g.Nq * 2 &&
+                  lse.scalar_type() == q.scalar_type(), "stats must be contiguous [B, Hq, Nq, 2]");
   auto qbar = at::empty_like(q), dobar = at::empty_like(q);
   auto kbar = at::empty_like(k), vbar = at::empty_like(v);
   auto delta = at::empty({g.B, g.Hq, g.Nq}, q.options());
@@ -656,7 +676,7 @@ std::vector<at::Tensor> bwd_bwd(const at::Tensor& q, const at::Tensor& k, const 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "FlashBoB CPU kernels: tiled attention forward, backward and backward-over-backward";
-  m.def("fwd", &fwd, "forward -> (o, lse)");
+  m.def("fwd", &fwd, "forward -> (o, stats [B, Hq, Nq, 2] = (row max m2, 1/l))");
   m.def("bwd", &bwd, "first backward -> (dq, dk, dv)");
   m.def("bwd_bwd", &bwd_bwd, "backward over backward -> (q̄, k̄, v̄, dō, D, α, E)");
 }

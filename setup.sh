@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up ds_ttt on a fresh machine: a virtual environment in .venv with the CPU stack and the
+# package installed in editable mode. Idempotent; ~1 minute (torch 2.13.0 CPU comes from local disk).
+#
+#   bash setup.sh            # then use .venv/bin/python, .venv/bin/deepspeed
+#
+# The CUDA stack is separate: requirements/gpu.txt (see README.md, "GPU machines").
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -r requirements/cpu.txt
+.venv/bin/python -m pip install -q --no-deps -e .
+.venv/bin/python -c "import torch, deepspeed, transformers; print(f'[setup] torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}')"

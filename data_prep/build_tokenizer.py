@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_ttt.data.summary import format_table  # noqa: E402
-from ds_ttt.data.tokenizer import QWEN3_ADDED_TOKENS, load_tokenizer, tokenizer_hash  # noqa: E402
+from ds_ttt.data.tokenizer import QWEN3_ADDED_TOKENS, load_tokenizer, save_tokenizer, tokenizer_hash  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     args = ap.parse_args(argv)
     tok = load_tokenizer(args.model)
-    tok.save_pretrained(args.out)
+    save_tokenizer(tok, args.out)
     rows = [[c, tid, tok.convert_tokens_to_ids(c)] for tid, c, _ in QWEN3_ADDED_TOKENS if c in
             ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")]
     print(format_table(rows, ["token", "Qwen3 id", "our id"]))

@@ -34,7 +34,7 @@ from pathlib import Path
 from .capacity import apply_capacity
 from .importers import import_inputs
 from .render import RenderedTrajectory, TokenKind, render_trajectory
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, save_tokenizer
 
 MANIFEST_FORMAT = "ds_ttt-manifest-v1"
 SPLITS = ("train", "test")
@@ -137,7 +137,7 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
     tok_dir = out / "tokenizer"
     if tok_dir.exists():
         shutil.rmtree(tok_dir)
-    tok.save_pretrained(str(tok_dir))
+    save_tokenizer(tok, tok_dir)
 
     kept, rendered_by_id, excluded = [], {}, []
     it = imported.trajectories

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import json
 import os
 import tempfile
 import unicodedata
@@ -60,7 +61,7 @@ QWEN3_ADDED_TOKENS: tuple[tuple[int, str, bool], ...] = (
 NUM_BPE_RANKS = 151643
 MODEL_VOCAB_SIZE = 151936  # the embedding table is padded beyond the last added token
 CHAT_TEMPLATE_PATH = Path(__file__).with_name("qwen3_chat_template.jinja")
-_RECIPE_VERSION = "qwen3-bpe-v1"  # bump when the construction below changes
+_RECIPE_VERSION = "qwen3-bpe-v2"  # bump when the construction below changes
 
 
 def qwen_tiktoken_path() -> Path:
@@ -176,7 +177,23 @@ def _build_uncached(out_dir: Path) -> None:
         additional_special_tokens=[c for _, c, s in QWEN3_ADDED_TOKENS if s and c not in ("<|endoftext|>",)],
     )
     fast.chat_template = CHAT_TEMPLATE_PATH.read_text()
-    fast.save_pretrained(str(out_dir))
+    save_tokenizer(fast, out_dir)
+
+
+def save_tokenizer(tokenizer, out_dir: str | Path) -> None:
+    """`save_pretrained`, then name the class `PreTrainedTokenizerFast` in tokenizer_config.json.
+
+    transformers 5 writes `TokenizersBackend`, which transformers 4 cannot resolve; the generic
+    `PreTrainedTokenizerFast` loads tokenizer.json verbatim in both (a `Qwen2Tokenizer` class would be
+    rebuilt from vocab/merges with different BPE options, changing the saved tokenizer.json).
+    """
+    out_dir = Path(out_dir)
+    tokenizer.save_pretrained(str(out_dir))
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def _cache_key() -> str:

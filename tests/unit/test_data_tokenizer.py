@@ -95,6 +95,16 @@ def test_chat_template_attached_and_saved(tok, tmp_path):
     assert tokenizer_hash(again) == tokenizer_hash(tok)
 
 
+def test_saved_config_is_portable(tok, tmp_path):
+    from ds_ttt.data.tokenizer import save_tokenizer
+
+    save_tokenizer(tok, tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and cfg["eos_token"] == "<|im_end|>"
+    again = load_tokenizer(str(tmp_path))
+    assert again.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+
+
 def test_local_checkpoint_tokenizer_wins(tok, tmp_path):
     tok.save_pretrained(tmp_path)
     cfg_path = tmp_path / "tokenizer_config.json"

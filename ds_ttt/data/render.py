@@ -251,6 +251,24 @@ def render_trajectory(trajectory: dict, tokenizer) -> RenderedTrajectory:
     return RenderedTrajectory(str(trajectory["id"]), ids, kinds, rounds, meta)
 
 
+def find_fact_tokens(rendered: RenderedTrajectory, tokenizer, fact: str, round: int, kind: int) -> list[int]:
+    """Positions of the tokens (of `kind` in `round`) that overlap the first occurrence of `fact` in that
+    text, e.g. the readback value in a memory world's observation or the fact an action must reproduce.
+    Returns [] when the fact does not occur. Token texts are decoded one by one (fine for ASCII facts)."""
+    positions = [i for i, (k, r) in enumerate(zip(rendered.kinds, rendered.rounds)) if k == kind and r == round]
+    pieces = [tokenizer.decode([rendered.input_ids[i]]) for i in positions]
+    text = "".join(pieces)
+    start = text.find(fact)
+    if start < 0:
+        return []
+    end, out, pos = start + len(fact), [], 0
+    for i, piece in zip(positions, pieces):
+        if pos < end and start < pos + len(piece):
+            out.append(i)
+        pos += len(piece)
+    return out
+
+
 _THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>\s*", re.S)
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 

@@ -89,6 +89,25 @@ def test_memory_world_values_are_real_and_meta_consistent(tmp_path):
     assert generate_memory_world(32)["meta"]["values"] != w["meta"]["values"]
 
 
+def test_find_fact_tokens_in_memory_world():
+    from ds_ttt.data.render import TokenKind, find_fact_tokens, render_trajectory
+    from ds_ttt.data.tokenizer import build_qwen3_tokenizer
+
+    tok = build_qwen3_tokenizer()
+    w = generate_memory_world(8)
+    rt = render_trajectory(w, tok)
+    for rb in w["meta"]["readbacks"]:
+        pos = find_fact_tokens(rt, tok, rb["value"], rb["round"], TokenKind.OBSERVATION)
+        assert pos and tok.decode([rt.input_ids[i] for i in pos]).strip() == rb["value"]
+        assert all(rt.kinds[i] == TokenKind.OBSERVATION and rt.rounds[i] == rb["round"] for i in pos)
+        src = find_fact_tokens(rt, tok, rb["value"], rb["source_round"], TokenKind.OBSERVATION)
+        assert src and src[0] < pos[0]
+    for mc in w["meta"]["memory_checks"]:
+        pos = find_fact_tokens(rt, tok, mc["fact"], mc["round"], TokenKind.ACTION)
+        assert mc["fact"] in tok.decode([rt.input_ids[i] for i in pos])
+    assert find_fact_tokens(rt, tok, "not-a-fact", 1, TokenKind.OBSERVATION) == []
+
+
 def per_round(t):
     rounds, r = {}, 0
     for m in t["messages"]:

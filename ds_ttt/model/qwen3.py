@@ -24,6 +24,7 @@ Shape letters: B batch, T tokens, C hidden, H heads, D head dim, V vocab.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 import torch
@@ -45,6 +46,24 @@ def sdpa_attend(mask_B1TT: torch.Tensor | None, scale: float) -> Attend:
     def attend(q_BHTD, k_BHTD, v_BHTD):
         return F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, attn_mask=mask_B1TT,
                                               is_causal=mask_B1TT is None, scale=scale, enable_gqa=True)
+    return attend
+
+
+def flash_attn_available(hidden: torch.Tensor) -> bool:
+    """flash-attn serves the frozen path on CUDA bf16/fp16 when it is installed (the GPU extra)."""
+    return (hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+            and importlib.util.find_spec("flash_attn") is not None)
+
+
+def flash_attend(scale: float, window: int) -> Attend:
+    """flash-attn's causal (optionally sliding-window) kernel; [B, H, T, D] in and out."""
+    from flash_attn import flash_attn_func
+
+    def attend(q_BHTD, k_BHTD, v_BHTD):
+        o_BTHD = flash_attn_func(q_BHTD.transpose(1, 2), k_BHTD.transpose(1, 2), v_BHTD.transpose(1, 2),
+                                 softmax_scale=scale, causal=True,
+                                 window_size=(window - 1, 0) if window > 0 else (-1, -1))
+        return o_BTHD.transpose(1, 2)
     return attend
 
 
@@ -172,8 +191,12 @@ class TTTQwen3ForCausalLM(nn.Module):
             raise ValueError("context_policy='current_round' needs rounds_BT (round id per token)")
         positions_BT = torch.arange(t, device=hidden_BTC.device).expand(b, t)
         pos_emb = self.position_embeddings(hidden_BTC, positions_BT)
-        mask = self.policy.mask(rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT))
-        attend = sdpa_attend(mask, self.model.layers[0].self_attn.scaling)
+        scale = self.model.layers[0].self_attn.scaling
+        if self.policy.kind != "current_round" and flash_attn_available(hidden_BTC):
+            attend = flash_attend(scale, self.policy.window)
+        else:  # SDPA on CPU, and for the block-structured current_round mask
+            mask = self.policy.mask(rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT))
+            attend = sdpa_attend(mask, scale)
         for layer in layers:
             hidden_BTC, _ = layer(hidden_BTC, pos_emb, attend)
         return hidden_BTC

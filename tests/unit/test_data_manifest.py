@@ -160,6 +160,27 @@ def test_hub_local_mirror_download_verified(mirror, tmp_path):
         assert p.read_bytes() == (ASSETS / "openai" / "good.jsonl").read_bytes()
 
 
+def test_hub_http_mirror_download_verified(mirror, tmp_path):
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    base, files = mirror
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(base))
+    handler.log_message = lambda *a, **k: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        (p,) = download_pinned("org/traj", REV, files, tmp_path / "dl", mirror=url, timeout=5.0)
+        assert hashlib.sha256(p.read_bytes()).hexdigest() == files["data/train.jsonl"]
+        with pytest.raises(HubError, match="data/missing.jsonl"):
+            download_pinned("org/traj", REV, {"data/missing.jsonl": "1" * 64}, tmp_path / "dl2", mirror=url, timeout=5.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_hub_hash_mismatch_names_file(mirror, tmp_path):
     base, files = mirror
     with pytest.raises(HubError, match="data/train.jsonl: sha256 mismatch"):

@@ -1,0 +1,308 @@
+"""Export a trained TTT model to a Hugging Face directory, and load such a directory back (`load_export`).
+
+    python launch/export.py --checkpoint RUN --out EXPORT [--max-shard-size 5GB] [--dtype bfloat16]
+
+    from ds_ttt.export import export_model, load_export
+    export_model(model, "EXPORT", tokenizer=tok, provenance={...}, max_shard_size="2GB")
+    model = load_export("EXPORT")              # TTTQwen3ForCausalLM: same logits, same adaptation
+
+EXPORT/
+  config.json                          transformers Qwen3Config (architectures = Qwen3ForCausalLM)
+  generation_config.json               eos = <|im_end|>, <|endoftext|>
+  model-0000K-of-0000N.safetensors     the backbone under standard Qwen3 names, greedily sharded
+  model.safetensors.index.json         {"metadata": {"total_size"}, "weight_map": {name: shard}}
+  prime.safetensors                    the meta-learned initial fast weights W_0 and their norms
+                                       (model.layers.N.prime_layernorm.weight,
+                                        model.layers.N.prime_mlp.{gate,up,down}_proj.weight)
+  ttt_config.json                      TTTConfig, the adaptive-layer placement, the prime tensor list
+                                       and provenance (checkpoint/manifest/config hashes, step)
+  tokenizer.json, tokenizer_config.json, chat_template.jinja
+
+`transformers.AutoModelForCausalLM.from_pretrained(EXPORT)` reads only the index, so it loads the plain
+backbone with no missing or unexpected keys (its logits equal ours with the prime branch off, i.e. with
+prime down projections at zero). `load_export` loads the backbone through the same name-checked
+adapter as Hugging Face checkpoints (ds_ttt/model/hf_adapter.py) and then requires prime.safetensors
+to supply exactly the prime parameters the model lacks — nothing more, nothing less.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import re
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import GenerationConfig, Qwen3Config
+
+from ds_ttt.config import TTTConfig
+from ds_ttt.model.hf_adapter import is_prime_param, load_backbone_weights, load_qwen3_config
+from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+
+EXPORT_FORMAT = "ds_ttt-export-v1"
+TTT_CONFIG_FILE = "ttt_config.json"
+PRIME_FILE = "prime.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+IM_END_ID, ENDOFTEXT_ID = 151645, 151643
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """'5GB' / '500MB' / '100KiB' / 12345 -> bytes (decimal units as in transformers' max_shard_size)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"max_shard_size {size!r}: expected a byte count or e.g. '5GB', '500MB', '100KiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
+
+
+def shard_state_dict(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Greedy shards in name order; a tensor larger than the limit gets a shard of its own."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    return shards
+
+
+def sha256_file(path: str | pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tree_sha256(path: str | pathlib.Path) -> str:
+    """Hash of a file, or of a directory as sorted (relative path, file sha256) pairs."""
+    path = pathlib.Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(f"{p.relative_to(path).as_posix()}\0{sha256_file(p)}\n".encode())
+    return h.hexdigest()
+
+
+def config_sha256(config: Qwen3Config, ttt: TTTConfig) -> str:
+    """Hash of the architecture + TTT settings (what decides the model's function given its weights)."""
+    backbone = {k: v for k, v in config.to_dict().items()
+                if k not in ("transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path")}
+    blob = json.dumps({"backbone": backbone, "ttt": ttt.to_dict()}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def export_model(model: TTTQwen3ForCausalLM, out_dir: str | pathlib.Path, *, tokenizer=None,
+                 provenance: dict | None = None, max_shard_size: int | str = "5GB",
+                 dtype: torch.dtype | None = None) -> dict:
+    """Write `model` (and the tokenizer) to `out_dir` in the layout above; returns a summary dict."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_FILE, out / PRIME_FILE, out / "generation_config.json"]:
+        stale.unlink(missing_ok=True)  # a previous export with more shards must not leave files behind
+    state = {n: p.detach().to("cpu", dtype or p.dtype).contiguous() for n, p in model.state_dict().items()}
+    backbone = {n: t for n, t in state.items() if not is_prime_param(n)}
+    prime = {n: t for n, t in state.items() if is_prime_param(n)}
+    shards = shard_state_dict(backbone, parse_size(max_shard_size))
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        for n, t in shard.items():
+            weight_map[n] = fname
+            total += t.numel() * t.element_size()
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                                             indent=2) + "\n")
+    if prime:
+        save_file(prime, str(out / PRIME_FILE), metadata={"format": "pt"})
+
+    cfg = Qwen3Config.from_dict(model.config.to_dict())
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    cfg.dtype = dtype or next(model.parameters()).dtype
+    if cfg.vocab_size > IM_END_ID:  # the real Qwen3 vocabulary (tiny test vocabularies have no such ids)
+        cfg.eos_token_id, cfg.pad_token_id = IM_END_ID, ENDOFTEXT_ID
+        GenerationConfig(eos_token_id=[IM_END_ID, ENDOFTEXT_ID], pad_token_id=ENDOFTEXT_ID,
+                         do_sample=False).save_pretrained(str(out))
+    cfg.save_pretrained(str(out))
+    meta = {
+        "format": EXPORT_FORMAT,
+        "ttt": model.ttt.to_dict(),
+        "num_adaptive": model.num_adaptive,
+        "first_adaptive": model.first_adaptive,
+        "prime_file": PRIME_FILE if prime else None,
+        "prime_tensors": sorted(prime),
+        "config_sha256": config_sha256(model.config, model.ttt),
+        "provenance": provenance or {},
+    }
+    (out / TTT_CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+    if tokenizer is not None:
+        from ds_ttt.data.tokenizer import save_tokenizer
+
+        save_tokenizer(tokenizer, out)
+    return {"out": str(out), "num_shards": len(shards), "backbone_bytes": total, "num_backbone_tensors": len(backbone),
+            "num_prime_tensors": len(prime)}
+
+
+def is_export_dir(path: str | pathlib.Path) -> bool:
+    path = pathlib.Path(path)
+    return (path / TTT_CONFIG_FILE).is_file() and (path / "config.json").is_file()
+
+
+def read_export_meta(export_dir: str | pathlib.Path) -> dict:
+    path = pathlib.Path(export_dir) / TTT_CONFIG_FILE
+    meta = json.loads(path.read_text())
+    if meta.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {EXPORT_FORMAT!r} (not a ds_ttt export?)")
+    return meta
+
+
+@torch.no_grad()
+def load_export(export_dir: str | pathlib.Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                attention_backend: str | None = None) -> TTTQwen3ForCausalLM:
+    """The exported TTT model, in eval mode with frozen parameters (fast weights adapt in copies).
+
+    `attention_backend` overrides the training setting (e.g. "reference" on a machine without the
+    compiled op); it changes the kernel, not the function.
+    """
+    export_dir = pathlib.Path(export_dir)
+    meta = read_export_meta(export_dir)
+    ttt = TTTConfig.from_dict(meta["ttt"], where=str(export_dir / TTT_CONFIG_FILE))
+    if attention_backend is not None:
+        ttt = dataclasses.replace(ttt, attention_backend=attention_backend)
+    cfg = load_qwen3_config(export_dir)
+    dtype = dtype or (cfg.dtype if isinstance(cfg.dtype, torch.dtype) else getattr(torch, str(cfg.dtype or "float32")))
+    with torch.device(device):
+        model = TTTQwen3ForCausalLM(cfg, ttt).to(dtype)
+    missing = set(load_backbone_weights(model, export_dir))
+    got: set[str] = set()
+    if meta.get("prime_file"):
+        params = dict(model.named_parameters())
+        with safe_open(str(export_dir / meta["prime_file"]), "pt") as f:
+            for name in f.keys():
+                if name not in missing:
+                    raise KeyError(f"{export_dir / meta['prime_file']}: unexpected tensor {name!r} "
+                                   f"(not a prime parameter of this model)")
+                t = f.get_tensor(name)
+                if t.shape != params[name].shape:
+                    raise ValueError(f"{export_dir / meta['prime_file']}: {name} has shape {tuple(t.shape)}, "
+                                     f"model expects {tuple(params[name].shape)}")
+                params[name].copy_(t.to(params[name].dtype))
+                got.add(name)
+    if missing - got:
+        raise KeyError(f"{export_dir}: no weights for {sorted(missing - got)[:5]} (prime.safetensors incomplete?)")
+    model.eval().requires_grad_(False)
+    return model
+
+
+# ---- one entry for "a training checkpoint or an export" (evals, export CLI, serving) ----------------
+@dataclasses.dataclass
+class LoadedModel:
+    model: TTTQwen3ForCausalLM
+    tokenizer: object | None  # the tokenizer shipped with the export / the training manifest, if any
+    provenance: dict  # kind, path, sha256, step, manifest_path, manifest_sha256, config_sha256, ...
+
+
+def _run_info_dict(info) -> dict:
+    if info is None:
+        return {}
+    if dataclasses.is_dataclass(info):
+        return dataclasses.asdict(info)
+    if isinstance(info, dict):
+        return dict(info)
+    return {k: getattr(info, k) for k in dir(info) if not k.startswith("_") and not callable(getattr(info, k))}
+
+
+def _first(d: dict, *keys):
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return None
+
+
+def load_training_checkpoint(path: str | pathlib.Path, device: str = "cpu"):
+    """The trainer's loader (ds_ttt/train/checkpoint.py): (model, RunInfo). Kept as one seam for tests."""
+    try:
+        from ds_ttt.train.checkpoint import load_model_from_checkpoint
+    except ImportError as e:  # the trainer is developed separately
+        raise RuntimeError(f"{path} is not a ds_ttt export (no {TTT_CONFIG_FILE}) and the trainer's checkpoint "
+                           f"loader is unavailable ({e}); pass an export directory") from e
+    return load_model_from_checkpoint(str(path), device=device)
+
+
+def load_for_inference(path: str | pathlib.Path, *, device: str = "cpu", attention_backend: str | None = "reference",
+                       hash_files: bool = True) -> LoadedModel:
+    """A frozen TTT model from an export directory or a training checkpoint, with its provenance.
+
+    attention_backend: "reference" by default (inference needs first-order gradients only, and the
+    reference backend runs on any device without a build); None keeps the trained setting.
+    """
+    path = pathlib.Path(path)
+    if is_export_dir(path):
+        model = load_export(path, device=device, attention_backend=attention_backend)
+        meta = read_export_meta(path)
+        prov = dict(meta.get("provenance") or {})
+        prov.update(kind="export", path=str(path), export_sha256=tree_sha256(path) if hash_files else None,
+                    config_sha256=config_sha256(model.config, model.ttt))
+        tokenizer = None
+        if (path / "tokenizer.json").is_file():
+            from ds_ttt.data.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(str(path))
+        return LoadedModel(model, tokenizer, prov)
+    model, info = load_training_checkpoint(path, device=device)
+    if attention_backend is not None:
+        model.ttt = dataclasses.replace(model.ttt, attention_backend=attention_backend)
+    model.eval().requires_grad_(False)
+    d = _run_info_dict(info)
+    try:
+        from ds_ttt.train.checkpoint import resolve_checkpoint
+
+        resolved = pathlib.Path(resolve_checkpoint(str(path)))
+    except ImportError:
+        resolved = path
+    manifest_path = _first(d, "manifest_path", "manifest", "data")
+    prov = {
+        "kind": "checkpoint",
+        "path": str(path),
+        "resolved": str(resolved),
+        "sha256": tree_sha256(resolved) if hash_files and resolved.exists() else None,
+        "step": _first(d, "step", "global_step"),
+        "manifest_path": str(manifest_path) if manifest_path is not None else None,
+        "manifest_sha256": _first(d, "manifest_sha256", "manifest_hash"),
+        "model_source": _first(d, "model_source", "model"),
+        "config_sha256": config_sha256(model.config, model.ttt),
+    }
+    tokenizer = None
+    if manifest_path is not None:
+        tok_dir = pathlib.Path(manifest_path)
+        tok_dir = (tok_dir if tok_dir.is_dir() else tok_dir.parent) / "tokenizer"
+        if (tok_dir / "tokenizer.json").is_file():
+            from ds_ttt.data.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(str(tok_dir))
+    return LoadedModel(model, tokenizer, prov)
+
+
+def export_checkpoint(checkpoint: str | pathlib.Path, out_dir: str | pathlib.Path, *, max_shard_size: int | str = "5GB",
+                      dtype: torch.dtype | None = None) -> dict:
+    """Training checkpoint (or another export) -> export directory, with provenance and tokenizer."""
+    loaded = load_for_inference(checkpoint, attention_backend=None)
+    tokenizer = loaded.tokenizer
+    if tokenizer is None:
+        from ds_ttt.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer()
+    prov = {k: v for k, v in loaded.provenance.items() if k not in ("kind",)}
+    prov["source_kind"] = loaded.provenance["kind"]
+    return export_model(loaded.model, out_dir, tokenizer=tokenizer, provenance=prov, max_shard_size=max_shard_size,
+                        dtype=dtype)

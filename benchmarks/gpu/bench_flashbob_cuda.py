@@ -1,0 +1,305 @@
+"""FlashBoB on CUDA: the exact second-order attention step next to flash-attn and PyTorch math.
+
+    python benchmarks/gpu/bench_flashbob_cuda.py --out benchmarks/results/gpu/flashbob_cuda.json
+        [--sizes 1024,2048,4096,8192,16384,32768] [--budget-s 90] [--no-flashbob] [--check-n 1024]
+
+Shapes: bf16, causal, B=1, 32 query heads sharing 8 key/value heads (GQA), head dim 128,
+sequence length N per --sizes. Methods, each timed per N until it runs out of memory or time:
+
+    flashbob_bob        FlashBoB ("cuda" backend) second-order step: o = attn(q, k, v);
+                        (dq, dk, dv) = grad(o, (q, k, v), dO, create_graph=True);
+                        (q̄, k̄, v̄, dŌ) = grad((dq, dk, dv), (q, k, v, dO), (U_Q, U_K, U_V))
+    flashbob_fwd_bwd    FlashBoB forward + first backward (no graph)
+    flash_attn_fwd_bwd  flash-attn's flash_attn_func forward + backward, when flash-attn is installed;
+                        otherwise sdpa_flash_fwd_bwd, PyTorch SDPA's own FlashAttention-2 kernel
+    math_bob            the same second-order step through PyTorch SDPA's MATH backend (stores N×N)
+
+Per (N, method): step time (median of CUDA-event timings after a warm-up; repeats sized to
+~0.3 s), peak allocated memory during one step above what the inputs hold, and TFLOP/s under
+the FLOP model: per query head, forward 4·N²·D, first backward 10·N²·D (flash-attn's 2.5×
+convention), backward-over-backward 36·N²·D (../shared/design/flashbob_math.md), halved for
+causal. Out-of-memory is recorded and that method skips larger N.
+
+Correctness (the phase fails when one fails): every measured step's outputs are finite, and at
+N = --check-n FlashBoB's o, q̄, k̄, v̄, dŌ are compared with an fp32 PyTorch-math second-order
+step on the same inputs; the relative error ‖x − x_fp32‖ / ‖x_fp32‖ must stay under 5e-2, a
+tripwire for gross errors (the bf16 math step's own error is recorded beside it; the accuracy
+rule lives in tests/ops/test_flashbob_cuda.py).
+
+The step functions take any device and attention callable, so tests/unit/test_gpu_check.py runs
+them on CPU with tiny shapes (reference backend vs PyTorch math).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for p in (str(HERE), str(REPO)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from gpu_results import PhaseRecord  # noqa: E402
+
+FLOP_MODEL = ("per query head: fwd 4·N²·D, bwd 10·N²·D, bwd-over-bwd 36·N²·D; x0.5 causal; "
+              "bob step = fwd + bwd + bwd-over-bwd = 50·N²·D, fwd+bwd = 14·N²·D")
+OUTPUT_NAMES = ("o", "q_bar", "k_bar", "v_bar", "do_bar")
+TRIPWIRE_REL_ERR = 5e-2
+
+
+def step_flops(kind: str, n: int, *, heads_q: int, head_dim: int, causal: bool = True) -> float:
+    per = {"bob": 4 + 10 + 36, "fwd_bwd": 4 + 10}[kind]
+    return per * n * n * head_dim * heads_q * (0.5 if causal else 1.0)
+
+
+def make_inputs(n: int, *, batch: int = 1, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128,
+                dtype=torch.bfloat16, device="cuda", seed: int = 0) -> dict:
+    """q, k, v, the output cotangent dO and the second-order tangents U_Q, U_K, U_V ([B, H, N, D])."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(h):
+        return torch.randn(batch, h, n, head_dim, generator=g, device=device, dtype=torch.float32).to(dtype)
+    return {"q": rnd(heads_q), "k": rnd(heads_kv), "v": rnd(heads_kv), "do": rnd(heads_q),
+            "uq": rnd(heads_q), "uk": rnd(heads_kv), "uv": rnd(heads_kv)}
+
+
+def second_order_step(attn, x: dict) -> tuple[torch.Tensor, ...]:
+    """(o, q̄, k̄, v̄, dŌ): forward, first backward with create_graph, then the second backward."""
+    q, k, v, do = (x[name].detach().requires_grad_(True) for name in ("q", "k", "v", "do"))
+    o = attn(q, k, v)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    q_bar, k_bar, v_bar, do_bar = torch.autograd.grad((dq, dk, dv), (q, k, v, do), (x["uq"], x["uk"], x["uv"]))
+    return o.detach(), q_bar, k_bar, v_bar, do_bar
+
+
+def first_order_step(attn, x: dict) -> tuple[torch.Tensor, ...]:
+    """(o, dq, dk, dv): forward and the ordinary backward."""
+    q, k, v = (x[name].detach().requires_grad_(True) for name in ("q", "k", "v"))
+    o = attn(q, k, v)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), x["do"])
+    return o.detach(), dq, dk, dv
+
+
+def flashbob_attn(backend: str = "cuda"):
+    from ds_ttt.ops.flashbob import attention
+
+    def attn(q, k, v):
+        return attention(q, k, v, causal=True, backend=backend)
+    return attn
+
+
+def math_attn(q, k, v):
+    """PyTorch SDPA's MATH backend (twice differentiable; materialises N×N)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def flash_attn_attn(q, k, v):
+    """flash-attn (tensors [B, N, H, D] underneath; GQA native)."""
+    from flash_attn import flash_attn_func
+
+    return flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).transpose(1, 2)
+
+
+def sdpa_flash_attn(q, k, v):
+    """PyTorch SDPA restricted to its FlashAttention-2 kernel (K/V expanded over the group if needed)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        try:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        except RuntimeError:
+            g = q.shape[1] // k.shape[1]
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                                  is_causal=True)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def cross_check(attn, x: dict) -> dict:
+    """Relative errors of `attn`'s second-order step (and of bf16 math) against fp32 math."""
+    gold = second_order_step(math_attn, {k: t.float() for k, t in x.items()})
+    got = second_order_step(attn, x)
+    low = second_order_step(math_attn, x)
+    return {name: {"kernel": rel_err(a, g), "math_lowprec": rel_err(b, g)}
+            for name, a, b, g in zip(OUTPUT_NAMES, got, low, gold)}
+
+
+def _all_finite(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def time_cuda(fn, *, target_s: float = 0.3, max_reps: int = 20) -> tuple[float, int, int, tuple]:
+    """(median seconds, repeats, peak bytes above the start, outputs of the measured run)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    outs = fn()
+    end.record()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    first = start.elapsed_time(end) / 1e3
+    reps = max(1, min(max_reps, int(target_s / max(first, 1e-6))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times), reps, peak, outs
+
+
+def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: bool = True,
+        check_n: int = 1024, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128) -> dict:
+    t_start = time.perf_counter()
+    device = "cuda"
+    has_flash_attn = importlib.util.find_spec("flash_attn") is not None
+    methods = []
+    if use_flashbob:
+        methods += [("flashbob_bob", "bob", flashbob_attn("cuda")), ("flashbob_fwd_bwd", "fwd_bwd", flashbob_attn("cuda"))]
+    methods.append(("flash_attn_fwd_bwd", "fwd_bwd", flash_attn_attn) if has_flash_attn
+                   else ("sdpa_flash_fwd_bwd", "fwd_bwd", sdpa_flash_attn))
+    methods.append(("math_bob", "bob", math_attn))
+    rec = PhaseRecord(out, "flashbob_cuda", flop_model=FLOP_MODEL, config={
+        "batch": 1, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim, "dtype": "bf16",
+        "causal": True, "sizes": sizes, "methods": [m[0] for m in methods], "check_n": check_n})
+    if not has_flash_attn:
+        rec.note("flash-attn is not installed: the first-order baseline is PyTorch SDPA's FlashAttention-2 "
+                 "kernel (sdpa_flash_fwd_bwd) instead of flash_attn_func")
+    if not use_flashbob:
+        rec.note("FlashBoB CUDA op unavailable (build failed or skipped): only the baselines ran")
+    failed = False
+
+    # Correctness tripwire first, at a small N, so a wrong kernel is caught even if time runs out.
+    if use_flashbob:
+        try:
+            x = make_inputs(check_n, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, device=device)
+            errs = cross_check(flashbob_attn("cuda"), x)
+            worst = max(e["kernel"] for e in errs.values())
+            rec.set(cross_check={"n": check_n, "rel_err": errs})
+            detail = ", ".join(f"{k} {v['kernel']:.1e} (math bf16 {v['math_lowprec']:.1e})" for k, v in errs.items())
+            ok = math.isfinite(worst) and worst < TRIPWIRE_REL_ERR
+            failed |= not rec.check(f"FlashBoB second-order step vs fp32 math at N={check_n} (rel err < "
+                                    f"{TRIPWIRE_REL_ERR:g})", ok, detail)
+        except Exception as exc:  # noqa: BLE001
+            failed = True
+            rec.check(f"FlashBoB second-order step vs fp32 math at N={check_n}", False,
+                      f"{type(exc).__name__}: {str(exc)[:500]}")
+            methods = [m for m in methods if not m[0].startswith("flashbob")]
+        finally:
+            x = None
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    stopped: dict[str, str] = {}
+    last: dict[str, tuple[int, float]] = {}
+    nonfinite = []
+    for n in sizes:
+        x = make_inputs(n, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, device=device)
+        for name, kind, attn in methods:
+            row = {"n": n, "method": name}
+            if name in stopped:
+                rec.add_row({**row, "status": stopped[name]})
+                continue
+            remaining = budget_s - (time.perf_counter() - t_start)
+            if name in last:  # quadratic in N; one warm-up + one memory run + ~0.3 s of repeats
+                n0, t0 = last[name]
+                predicted = t0 * (n / n0) ** 2 * 3 + 0.3
+                if predicted > remaining:
+                    stopped[name] = "skipped (time budget)"
+                    rec.add_row({**row, "status": stopped[name], "predicted_s": round(predicted, 2)})
+                    continue
+            step = (lambda a=attn: second_order_step(a, x)) if kind == "bob" else (lambda a=attn: first_order_step(a, x))
+            try:
+                step()  # warm-up (first call also builds/loads the op)
+                secs, reps, peak, outs = time_cuda(step)
+                finite = _all_finite(outs)
+                flops = step_flops(kind, n, heads_q=heads_q, head_dim=head_dim)
+                row.update(status="ok", time_s=secs, repeats=reps, peak_bytes=peak, tflops=flops / secs / 1e12,
+                           finite=finite)
+                if not finite:
+                    nonfinite.append(f"{name} N={n}")
+                last[name] = (n, secs)
+                outs = None
+            except Exception as exc:  # noqa: BLE001
+                if _is_oom(exc):
+                    row.update(status="oom")
+                    stopped[name] = f"skipped (OOM at N={n})"
+                else:
+                    row.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:400]}")
+                    stopped[name] = f"skipped (error at N={n})"
+                    if name.startswith("flashbob"):
+                        failed = True
+                        rec.check(f"{name} runs at N={n}", False, row["error"])
+            gc.collect()
+            torch.cuda.empty_cache()
+            rec.add_row(row)
+        x = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    measured = [r for r in rec.data["rows"] if r.get("status") == "ok"]
+    failed |= not rec.check("every measured step has finite outputs", not nonfinite,
+                            f"{len(measured)} measured" + (f"; non-finite: {', '.join(nonfinite)}" if nonfinite else ""))
+    rec.finish("failed" if failed else "ok", time.perf_counter() - t_start)
+    return rec.data
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return sorted(values)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON file to (re)write")
+    ap.add_argument("--sizes", type=_int_list, default=[1024, 2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--budget-s", type=float, default=90.0)
+    ap.add_argument("--no-flashbob", action="store_true", help="baselines only (the CUDA op did not build)")
+    ap.add_argument("--check-n", type=int, default=1024)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("[flashbob_cuda] no CUDA device: this benchmark needs a GPU", file=sys.stderr)
+        return 2
+    data = run(out=a.out, sizes=a.sizes, budget_s=a.budget_s, use_flashbob=not a.no_flashbob, check_n=a.check_n)
+    for r in data["rows"]:
+        t = r.get("time_s")
+        print(f"[flashbob_cuda] N={r['n']:>6} {r['method']:<20} {r.get('status')}"
+              + (f": {t * 1e3:.2f} ms, {r['peak_bytes'] / 2**30:.2f} GiB, {r['tflops']:.1f} TFLOP/s" if t else ""),
+              flush=True)
+    return 0 if data["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,595 @@
+"""The GPU check: validate and measure the CUDA path in one unattended run (stdlib only).
+
+    bash benchmarks/gpu_check.sh [--out DIR] [--wheels DIR] [--phases install,build,tests,flashbob,last_stage]
+                                 [--total-s 450] [--budget PHASE=SECONDS ...] [--quick] [--plan]
+
+(benchmarks/gpu_check.sh runs this file with $PYTHON, default python3.) Phases, each in its own
+subprocess with its own time limit, so one slow phase cannot eat the whole window:
+
+  install     what the check needs from requirements/gpu.txt (torch with CUDA, deepspeed,
+              transformers, safetensors, ninja, numpy, pytest), skipping what is already installed;
+              with --wheels DIR only from that folder (machines without a package index), else from
+              the index. flash-attn only as a ready wheel (DIR or the index), otherwise it is noted
+              as missing and the benchmark uses PyTorch's own FlashAttention-2 kernel instead.
+  build       FlashBoB's CUDA op through FlashBoBCUDABuilder (benchmarks/gpu/build_flashbob.py).
+  tests       python -m pytest tests/ops (the CUDA correctness tests).
+  flashbob    benchmarks/gpu/bench_flashbob_cuda.py: second-order step vs flash-attn vs PyTorch math.
+  last_stage  benchmarks/gpu/bench_last_stage.py: Qwen3-8B last-stage meta-training step, T = 2K/8K/16K.
+
+Results: DIR (default benchmarks/results/gpu) gets environment.json, setup.json,
+flashbob_cuda.json, last_stage.json, summary.md and gpu_check.log (6 files), rewritten as the
+phases progress; results of an earlier run in DIR are removed first (README.md stays).
+
+Time: --total-s (default 450 s, inside an 8-minute window) is the whole run; a phase's limit is
+min(its own budget, what is left after reserving the minimum of every later phase). A phase
+killed at its limit keeps the rows it finished. Exit status: 0 every correctness check passed;
+1 a check failed (setup, tests/ops, benchmark cross-checks, non-finite results); 2 refused: no
+CUDA GPU visible (nothing is written) or bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+if sys.version_info < (3, 10):
+    sys.exit(f"gpu_check: needs Python >= 3.10, this is {sys.version.split()[0]} ({sys.executable})")
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from gpu_results import (PhaseRecord, RESULT_FILES, failed_checks, read_json, write_json_atomic,  # noqa: E402
+                         write_summary)
+
+PHASES = ("install", "build", "tests", "flashbob", "last_stage")
+# Upper limit of each phase, and the minimum each later phase keeps reserved (seconds).
+BUDGETS = {"install": 120.0, "build": 240.0, "tests": 150.0, "flashbob": 90.0, "last_stage": 150.0}
+MINIMUMS = {"install": 20.0, "build": 60.0, "tests": 30.0, "flashbob": 45.0, "last_stage": 60.0}
+SUMMARY_RESERVE_S = 10.0
+CHILD_STARTUP_S = 20.0  # imports (torch, transformers) and model build before a benchmark's own clock
+NEEDED = ("torch", "deepspeed", "transformers", "safetensors", "ninja", "numpy", "pytest")
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu"
+DEFAULT_WHEELS = REPO / ".whl"
+QUICK = {"sizes": "1024,4096", "contexts": "2048", "repeats": "1"}
+FULL = {"sizes": "1024,2048,4096,8192,16384,32768", "contexts": "2048,8192,16384", "repeats": "2"}
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+
+def _phase_list(text: str) -> list[str]:
+    values = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in values if p not in PHASES]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"unknown phase(s) {bad or text!r}; phases are {','.join(PHASES)}")
+    return [p for p in PHASES if p in values]  # canonical order
+
+
+def _budget(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    if not sep or name not in PHASES:
+        raise argparse.ArgumentTypeError(f"expected PHASE=SECONDS with PHASE in {','.join(PHASES)}, got {text!r}")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds must be a number, got {value!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"seconds must be > 0, got {value!r}")
+    return name, seconds
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bash benchmarks/gpu_check.sh", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Docs: docs/gpu.md")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="results folder (default %(default)s)")
+    ap.add_argument("--wheels", default=None,
+                    help="install missing packages only from this folder of wheels (default: .whl/ when it exists)")
+    ap.add_argument("--phases", type=_phase_list, default=list(PHASES), help=f"subset of {','.join(PHASES)}")
+    ap.add_argument("--total-s", type=float, default=450.0, help="time for the whole run (default %(default)s)")
+    ap.add_argument("--budget", type=_budget, action="append", default=[], metavar="PHASE=SECONDS",
+                    help="upper time limit of one phase (repeatable)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: N in {1K, 4K}, T = 2K, one repeat")
+    ap.add_argument("--plan", action="store_true", help="print the phases and their limits, run nothing")
+    a = ap.parse_args(argv)
+    if not a.total_s > 0:
+        ap.error(f"--total-s must be > 0, got {a.total_s}")
+    a.budgets = {**BUDGETS, **dict(a.budget)}
+    if a.wheels is None and DEFAULT_WHEELS.is_dir() and any(DEFAULT_WHEELS.glob("*.whl")):
+        a.wheels = str(DEFAULT_WHEELS)
+    if a.wheels is not None and not Path(a.wheels).is_dir():
+        ap.error(f"--wheels {a.wheels}: not a folder")
+    return a
+
+
+def phase_limit(phase: str, phases: list[str], remaining_s: float, budgets: dict) -> float:
+    """Seconds `phase` may take: its budget, or less so every later phase keeps its minimum."""
+    later = phases[phases.index(phase) + 1:]
+    reserve = sum(MINIMUMS[p] for p in later) + SUMMARY_RESERVE_S
+    return max(0.0, min(budgets[phase], remaining_s - reserve))
+
+
+def describe_plan(a: argparse.Namespace) -> str:
+    lines = [f"gpu_check plan: results in {a.out}; whole run <= {a.total_s:.0f} s"
+             + (" (quick)" if a.quick else "")]
+    remaining = a.total_s
+    for p in a.phases:
+        limit = phase_limit(p, a.phases, remaining, a.budgets)
+        lines.append(f"  {p:<11} limit {a.budgets[p]:>5.0f} s (keeps {MINIMUMS[p]:.0f} s reserved for it; "
+                     f"at most {limit:.0f} s if every earlier phase used its limit)")
+        remaining -= limit
+    src = f"only from wheels in {a.wheels}" if a.wheels else "from the package index"
+    lines.append(f"  install source: {src}")
+    return "\n".join(lines)
+
+
+# ---- processes -----------------------------------------------------------------------------------
+
+class Log:
+    """Print to stdout and append to the run's log file."""
+
+    def __init__(self, path: Path | None = None):
+        self.file = open(path, "a", buffering=1) if path else None
+        self.lock = threading.Lock()
+
+    def __call__(self, text: str) -> None:
+        with self.lock:
+            print(text, flush=True)
+            if self.file:
+                self.file.write(text + "\n")
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+def run_child(cmd: list[str], *, timeout: float, log: Log, env: dict | None = None, cwd=REPO,
+              prefix: str = "") -> dict:
+    """Run `cmd` in its own process group; stream its output; kill the group at `timeout`.
+
+    Returns {"rc", "timed_out", "seconds", "tail"} (tail = last 60 lines of output).
+    """
+    t0 = time.monotonic()
+    tail: list[str] = []
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+
+    def pump():
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            del tail[:-60]
+            log(prefix + line)
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=max(timeout, 0.1))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc)
+    reader.join(timeout=5)
+    return {"rc": proc.returncode, "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 2),
+            "tail": "\n".join(tail)}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the child's own process group (it was started with a new session), then SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def python_json(python: str, code_file: Path, args: list[str], *, timeout: float, env=None):
+    """Run a helper script that prints one JSON object; None on failure."""
+    try:
+        out = subprocess.run([python, str(code_file), *args], capture_output=True, text=True, timeout=timeout,
+                             env=env, cwd=REPO)
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+
+
+# ---- the gate: is there a CUDA GPU? ----------------------------------------------------------------
+
+def nvidia_smi_gpus() -> list[dict]:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (subprocess.TimeoutExpired, OSError):
+        return []
+    if out.returncode != 0:
+        return []
+    gpus = []
+    for line in out.stdout.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and parts[0]:
+            mem = float(parts[2]) / 1024 if re.fullmatch(r"[\d.]+", parts[2]) else None
+            gpus.append({"name": parts[0], "driver": parts[1], "memory_gib": mem and round(mem, 1)})
+    return gpus
+
+
+def detect_gpu(python: str) -> dict | None:
+    """What makes this a CUDA machine: nvidia-smi's GPU list, else torch.cuda in `python`; None if neither."""
+    gpus = nvidia_smi_gpus()
+    if gpus:
+        return {"source": "nvidia-smi", **gpus[0], "count": len(gpus)}
+    info = python_json(python, HERE / "collect_env.py", ["--packages", "torch"], timeout=120)
+    if info and info.get("cuda_available"):
+        return {"source": "torch", "name": info.get("device_name"), "driver": None,
+                "memory_gib": info.get("memory_gib"), "count": info.get("device_count")}
+    return None
+
+
+# ---- phases ------------------------------------------------------------------------------------------
+
+def read_requirements(path: Path) -> dict[str, str]:
+    """{distribution name (lower case): requirement line} of a requirements file."""
+    reqs = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        m = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", line)
+        if m:
+            reqs[m.group(0).lower().replace("_", "-")] = line
+    return reqs
+
+
+def missing_requirements(info: dict, reqs: dict[str, str]) -> list[str]:
+    """Requirement lines of NEEDED packages that `info` (collect_env output) lacks; a CPU-only
+    torch counts as missing."""
+    missing = []
+    for name in NEEDED:
+        have = (info.get("packages") or {}).get(name)
+        if name == "torch" and have and not info.get("torch_cuda"):
+            have = None
+        if not have:
+            missing.append(reqs.get(name, name))
+    return missing
+
+
+def pip_install(python: str, specs: list[str], *, wheels: str | None, timeout: float, log: Log,
+                extra: list[str] = ()) -> dict:
+    cmd = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "-q", *extra]
+    cmd += ["--no-index", "--find-links", wheels] if wheels else ["--timeout", "15", "--retries", "1"]
+    log(f"[install] {' '.join(cmd + specs)}")
+    return run_child(cmd + specs, timeout=timeout, log=log, prefix="[pip] ")
+
+
+def phase_install(ctx: "Context", timeout: float) -> None:
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    rec = ctx.setup
+    reqs = read_requirements(REPO / "requirements" / "gpu.txt")
+    before = python_json(ctx.python, HERE / "collect_env.py", [], timeout=min(120, timeout)) or {}
+    missing = missing_requirements(before, reqs)
+    install = {"python": ctx.python, "source": f"wheels in {ctx.args.wheels}" if ctx.args.wheels else "package index",
+               "present": {k: v for k, v in (before.get("packages") or {}).items() if v}, "missing": missing}
+    if missing and not before.get("in_venv", True):
+        # A system Python may refuse installs (PEP 668): a venv that still sees its packages.
+        venv = REPO / ".venv-gpu"
+        if not (venv / "bin" / "python").exists():
+            ctx.log(f"[install] creating {venv} (--system-site-packages)")
+            r = run_child([ctx.python, "-m", "venv", "--system-site-packages", str(venv)], timeout=60, log=ctx.log)
+            if r["rc"] != 0:
+                install["error"] = f"could not create {venv}: {r['tail'][-500:]}"
+        if (venv / "bin" / "python").exists():
+            ctx.python = str(venv / "bin" / "python")
+            install["venv"] = str(venv)
+    if missing and "error" not in install:
+        r = pip_install(ctx.python, missing, wheels=ctx.args.wheels, timeout=deadline - time.monotonic(), log=ctx.log)
+        install["pip"] = {k: r[k] for k in ("rc", "timed_out", "seconds")}
+        if r["rc"] != 0:
+            install["error"] = ("pip timed out" if r["timed_out"] else "pip failed") + f": {r['tail'][-1500:]}"
+    # flash-attn: only a ready wheel, never a source build (that takes far longer than the window).
+    after = python_json(ctx.python, HERE / "collect_env.py", [], timeout=120) or {}
+    if not (after.get("packages") or {}).get("flash-attn"):
+        wheels = sorted(Path(ctx.args.wheels).glob("flash_attn-*.whl")) if ctx.args.wheels else []
+        left = deadline - time.monotonic()
+        if wheels:
+            r = pip_install(ctx.python, [str(wheels[-1])], wheels=ctx.args.wheels, timeout=left, log=ctx.log,
+                            extra=["--no-deps"])
+        elif not ctx.args.wheels and left > 20:
+            spec = read_requirements(REPO / "requirements" / "flash-attn.txt").get("flash-attn", "flash-attn")
+            r = pip_install(ctx.python, [spec], wheels=None, timeout=min(60.0, left), log=ctx.log,
+                            extra=["--only-binary=:all:", "--no-deps"])
+        else:
+            r = None
+        after = python_json(ctx.python, HERE / "collect_env.py", [], timeout=120) or {}
+        fa = (after.get("packages") or {}).get("flash-attn")
+        install["flash_attn"] = fa or "not installed"
+        if not fa:
+            why = ("no flash_attn wheel in the wheels folder" if ctx.args.wheels and r is None
+                   else "no ready wheel for this torch/CUDA/Python" if r is not None else "no time left")
+            rec.note(f"flash-attn not installed ({why}); continuing without it: the benchmark compares "
+                     "against PyTorch SDPA's FlashAttention-2 kernel instead")
+    else:
+        install["flash_attn"] = after["packages"]["flash-attn"]
+    still = missing_requirements(after, reqs)
+    install.update(seconds=round(time.monotonic() - t0, 2), still_missing=still)
+    rec.set(install=install)
+    ctx.env_info = after
+    rec.check("install: the GPU stack is importable (" + ", ".join(NEEDED) + ")", not still,
+              "all present" if not still else f"missing: {', '.join(still)}; " + install.get("error", "")[-800:])
+
+
+def phase_build(ctx: "Context", timeout: float) -> bool:
+    out = ctx.tmp / "build.json"
+    r = run_child([ctx.python, str(HERE / "build_flashbob.py"), "--out", str(out)], timeout=timeout, log=ctx.log,
+                  env=ctx.child_env(), prefix="")
+    result = read_json(out) or {}
+    result.update(rc=r["rc"], timed_out=r["timed_out"], wall_s=r["seconds"])
+    if r["timed_out"]:
+        result["error"] = f"build timed out after {timeout:.0f} s"
+    ok = bool(result.get("ok")) and not r["timed_out"]
+    if not ok and "error" not in result:
+        result["error"] = r["tail"][-1500:]
+    ctx.setup.set(build=result)
+    ctx.setup.check("build: FlashBoB CUDA op compiles and loads through FlashBoBCUDABuilder", ok,
+                    f"{r['seconds']:.0f} s" if ok else str(result.get("error"))[-1500:])
+    return ok
+
+
+def parse_junit(path: Path) -> dict | None:
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    counts["failed_names"] = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
+                              if c.find("failure") is not None or c.find("error") is not None][:20]
+    return counts
+
+
+def phase_tests(ctx: "Context", timeout: float) -> None:
+    junit = ctx.tmp / "ops.xml"
+    cmd = [ctx.python, "-m", "pytest", "tests/ops", "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    ctx.log(f"[tests] {' '.join(cmd)}")
+    r = run_child(cmd, timeout=timeout, log=ctx.log, env=ctx.child_env(), prefix="[pytest] ")
+    counts = parse_junit(junit) or {}
+    result = {"command": " ".join(cmd[1:]), "rc": r["rc"], "timed_out": r["timed_out"], "seconds": r["seconds"], **counts}
+    ctx.setup.set(tests=result)
+    if r["timed_out"]:
+        ok, detail = False, f"timed out after {timeout:.0f} s"
+    elif r["rc"] == 5 or counts.get("tests", 0) == 0:
+        ok, detail = False, "no tests collected in tests/ops"
+    elif counts.get("passed", 0) == 0:
+        ok, detail = False, f"every test was skipped ({counts.get('skipped')}): {r['tail'][-600:]}"
+    else:
+        ok = r["rc"] == 0 and counts.get("failures", 0) == 0 and counts.get("errors", 0) == 0
+        detail = (f"{counts.get('passed')} passed, {counts.get('failures')} failed, {counts.get('errors')} errors, "
+                  f"{counts.get('skipped')} skipped in {r['seconds']:.0f} s")
+        if counts.get("failed_names"):
+            detail += "; failed: " + ", ".join(counts["failed_names"])
+    ctx.setup.check("tests/ops: CUDA correctness tests pass", ok, detail)
+
+
+def phase_bench(ctx: "Context", name: str, file_name: str, cmd: list[str], timeout: float) -> None:
+    """Run a benchmark child that writes `file_name` itself; fix up the file if it was killed or crashed."""
+    path = ctx.out / file_name
+    r = run_child(cmd, timeout=timeout, log=ctx.log, env=ctx.child_env(), prefix="")
+    data = read_json(path)
+    if data is None:
+        rec = PhaseRecord(path, name)
+        rec.check(f"{name}: benchmark ran", False,
+                  ("timed out before writing results" if r["timed_out"] else f"exit {r['rc']}") + f": {r['tail'][-1500:]}")
+        rec.finish("timeout" if r["timed_out"] else "failed", r["seconds"])
+        return
+    if r["timed_out"]:
+        data["status"] = "timeout"
+        data.setdefault("notes", []).append(f"killed at the phase limit of {timeout:.0f} s; every row above was "
+                                            "complete when written")
+    elif r["rc"] != 0 and data.get("status") in ("ok", "running"):
+        data["status"] = "failed"
+        data.setdefault("checks", []).append({"name": f"{name}: benchmark exited cleanly", "ok": False,
+                                              "detail": f"exit {r['rc']}: {r['tail'][-1500:]}"})
+    data["wall_s"] = r["seconds"]
+    write_json_atomic(path, data)
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+
+class Context:
+    def __init__(self, args, python: str, out: Path, log: Log, tmp: Path):
+        self.args, self.python, self.out, self.log, self.tmp = args, python, out, log, tmp
+        self.setup = PhaseRecord(out / "setup.json", "setup")
+        self.env_info: dict = {}
+
+    def child_env(self) -> dict:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env.update(PYTHONUNBUFFERED="1", DS_ACCELERATOR="cuda", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+        if not env.get("CUDA_HOME"):
+            nvcc = shutil.which("nvcc")
+            if nvcc:
+                env["CUDA_HOME"] = str(Path(nvcc).resolve().parents[1])
+            elif Path("/usr/local/cuda/bin/nvcc").exists():
+                env["CUDA_HOME"] = "/usr/local/cuda"
+        if env.get("CUDA_HOME"):
+            env["PATH"] = f"{env['CUDA_HOME']}/bin{os.pathsep}{env.get('PATH', '')}"
+        if not env.get("TORCH_CUDA_ARCH_LIST") and self.env_info.get("capability"):
+            env["TORCH_CUDA_ARCH_LIST"] = self.env_info["capability"]
+        tag = str(self.env_info.get("torch") or "torch").replace("+", "-")
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions" / f"gpu-check-{tag}"))
+        env.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
+        return env
+
+
+def nvcc_version(env: dict) -> str | None:
+    nvcc = shutil.which("nvcc", path=env.get("PATH"))
+    if not nvcc:
+        return None
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    m = re.search(r"release ([\d.]+), V([\d.]+)", out)
+    return m.group(2) if m else out.strip().splitlines()[-1] if out.strip() else None
+
+
+def git_state() -> tuple[str | None, bool | None]:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10)
+    except (subprocess.TimeoutExpired, OSError):
+        return None, None
+    if head.returncode != 0:
+        return None, None
+    return head.stdout.strip(), bool(dirty.stdout.strip())
+
+
+def prepare_out(out: Path) -> None:
+    """Create the folder and remove an earlier run's files (README.md and anything else stay)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in RESULT_FILES:
+        (out / name).unlink(missing_ok=True)
+
+
+def write_environment(ctx: Context, gpu: dict, started: str, extra: dict) -> None:
+    info = ctx.env_info
+    env = ctx.child_env()
+    commit, dirty = git_state()
+    pk = info.get("packages") or {}
+    write_json_atomic(ctx.out / "environment.json", {
+        "started": started, "command": "bash benchmarks/gpu_check.sh " + " ".join(ctx.args.argv),
+        "gpu": {"name": info.get("device_name") or gpu.get("name"), "driver": gpu.get("driver"),
+                "capability": info.get("capability"), "memory_gib": info.get("memory_gib") or gpu.get("memory_gib"),
+                "multiprocessors": info.get("multiprocessors"), "count": gpu.get("count")},
+        "software": {"python": info.get("python"), "python_executable": ctx.python, "torch": info.get("torch"),
+                     "torch_cuda": info.get("torch_cuda"), "nvcc": nvcc_version(env), "deepspeed": pk.get("deepspeed"),
+                     "transformers": pk.get("transformers"), "flash_attn": pk.get("flash-attn"),
+                     "triton": pk.get("triton"), "ninja": pk.get("ninja"), "pytest": pk.get("pytest")},
+        "build_env": {k: env.get(k) for k in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "TORCH_EXTENSIONS_DIR", "MAX_JOBS")},
+        "git_commit": commit, "git_dirty": dirty, **extra})
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    args.argv = argv
+    if args.plan:
+        print(describe_plan(args))
+        return 0
+    python = sys.executable
+    gpu = detect_gpu(python)
+    if gpu is None:
+        print("gpu_check: refused: no CUDA GPU is visible here (nvidia-smi lists none and torch.cuda.is_available() "
+              f"is not True for {python}). This check runs only on a CUDA machine; nothing was run or written.",
+              file=sys.stderr)
+        return 2
+
+    t0 = time.monotonic()
+    deadline = t0 + args.total_s
+    started = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    out = Path(args.out).resolve()
+    prepare_out(out)
+    log = Log(out / "gpu_check.log")
+    log(f"[gpu_check] {started}: {gpu.get('name')} ({gpu['source']}); results in {out}")
+    log(describe_plan(args))
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_check."))
+    ctx = Context(args, python, out, log, tmp)
+    ctx.env_info = python_json(python, HERE / "collect_env.py", [], timeout=120) or {}
+    sizes = QUICK if args.quick else FULL
+    phase_times: dict[str, dict] = {}
+    built = False
+    torch_checked = False
+
+    def limit(p):
+        return phase_limit(p, args.phases, deadline - time.monotonic(), args.budgets)
+
+    def announce(p, seconds):
+        log(f"[gpu_check] phase {p}: limit {seconds:.0f} s ({deadline - time.monotonic():.0f} s left in the run)")
+
+    try:
+        write_environment(ctx, gpu, started, {})
+        for p in args.phases:
+            seconds = limit(p)
+            if seconds < min(MINIMUMS[p], 10.0):
+                log(f"[gpu_check] phase {p}: skipped, no time left")
+                phase_times[p] = {"status": "skipped (no time left)"}
+                if p in ("install", "build", "tests"):
+                    ctx.setup.check(f"{p}: ran", False, "skipped: no time left in the run")
+                continue
+            announce(p, seconds)
+            start = time.monotonic()
+            if p == "install":
+                phase_install(ctx, seconds)
+                write_environment(ctx, gpu, started, {})
+            if p != "install" and not torch_checked:
+                torch_checked = True
+                if not ctx.env_info.get("cuda_available"):
+                    ctx.setup.check("torch sees the GPU", False,
+                                    f"torch {ctx.env_info.get('torch')} (CUDA {ctx.env_info.get('torch_cuda')}) in "
+                                    f"{ctx.python}: {ctx.env_info.get('torch_error', 'cuda not available')}")
+                    break
+            if p == "build":
+                built = phase_build(ctx, seconds)
+            elif p == "tests":
+                if "build" in args.phases and not built:
+                    ctx.setup.check("tests/ops: CUDA correctness tests pass", False, "not run: the CUDA op did not build")
+                else:
+                    phase_tests(ctx, seconds)
+            elif p == "flashbob":
+                cmd = [ctx.python, str(HERE / "bench_flashbob_cuda.py"), "--out", str(out / "flashbob_cuda.json"),
+                       "--sizes", sizes["sizes"], "--budget-s", f"{max(seconds - CHILD_STARTUP_S, 10):.0f}"]
+                if "build" in args.phases and not built:
+                    cmd.append("--no-flashbob")
+                phase_bench(ctx, "flashbob_cuda", "flashbob_cuda.json", cmd, seconds)
+            elif p == "last_stage":
+                backends = "cuda,reference" if built or "build" not in args.phases else "reference"
+                cmd = [ctx.python, str(HERE / "bench_last_stage.py"), "--out", str(out / "last_stage.json"),
+                       "--contexts", sizes["contexts"], "--repeats", sizes["repeats"], "--backends", backends,
+                       "--budget-s", f"{max(seconds - CHILD_STARTUP_S, 10):.0f}"]
+                phase_bench(ctx, "last_stage", "last_stage.json", cmd, seconds)
+            phase_times[p] = {"status": "ran", "seconds": round(time.monotonic() - start, 1), "limit_s": round(seconds)}
+        ctx.setup.set(phase_times=phase_times)
+        ctx.setup.finish("failed" if any(not c["ok"] for c in ctx.setup.data["checks"]) else "ok",
+                         sum(v.get("seconds", 0) for k, v in phase_times.items() if k in ("install", "build", "tests")))
+    finally:
+        fails = failed_checks(out)
+        total = round(time.monotonic() - t0, 1)
+        verdict = (f"FAIL: {len(fails)} correctness check(s) failed" if fails
+                   else "PASS: every correctness check that ran passed")
+        write_environment(ctx, gpu, started, {"total_s": total, "verdict": verdict, "phases": phase_times})
+        write_summary(out)
+        log(f"[gpu_check] {verdict} ({total} s); summary: {out / 'summary.md'}")
+        for f in fails:
+            log(f"[gpu_check]   FAILED {f}")
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

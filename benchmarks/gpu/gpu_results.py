@@ -1,0 +1,240 @@
+"""Result files of the GPU check: atomic JSON writes and the Markdown summary (stdlib only).
+
+Every phase of `benchmarks/gpu_check.sh` leaves one JSON file in the results folder
+(default benchmarks/results/gpu/):
+
+    environment.json     GPU name, driver, Python / torch / CUDA / nvcc / deepspeed / flash-attn versions
+    setup.json           install, FlashBoB CUDA build, tests/ops (pytest counts)
+    flashbob_cuda.json   FlashBoB second-order step vs flash-attn fwd+bwd vs PyTorch math, N = 1K..32K
+    last_stage.json      one meta-training step of the Qwen3-8B last pipeline stage, T = 2K / 8K / 16K
+    summary.md           the tables below, rendered from those files
+    gpu_check.log        everything the run printed
+
+A phase file has the shape
+    {"phase": str, "status": "running"|"ok"|"failed"|"timeout"|"skipped", "elapsed_s": float,
+     "checks": [{"name": str, "ok": bool, "detail": str}], "rows": [...], "notes": [str], ...}
+and is rewritten after every measurement (write to a temporary file, then rename), so a phase
+that is killed at its time limit still leaves every row it finished.
+
+    python benchmarks/gpu/gpu_results.py DIR      # (re)render DIR/summary.md from DIR/*.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+RESULT_FILES = ("environment.json", "setup.json", "flashbob_cuda.json", "last_stage.json",
+                "summary.md", "gpu_check.log")
+PHASE_FILES = ("setup.json", "flashbob_cuda.json", "last_stage.json")
+STATUSES = ("running", "ok", "failed", "timeout", "skipped")
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Write `obj` as JSON so that readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_finite(obj), f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _finite(obj):
+    """JSON has no NaN/inf: store them as strings so the file stays standard JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def read_json(path: str | os.PathLike):
+    """The parsed file, or None when it is missing or unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class PhaseRecord:
+    """A phase's JSON file, rewritten after each change."""
+
+    def __init__(self, path: str | os.PathLike, phase: str, **fields):
+        self.path = Path(path)
+        self.data = {"phase": phase, "status": "running", "elapsed_s": 0.0, "checks": [], "rows": [],
+                     "notes": [], **fields}
+        self.save()
+
+    def add_row(self, row: dict) -> None:
+        self.data["rows"].append(row)
+        self.save()
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.data["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
+        self.save()
+        return bool(ok)
+
+    def note(self, text: str) -> None:
+        self.data["notes"].append(text)
+        self.save()
+
+    def set(self, **fields) -> None:
+        self.data.update(fields)
+        self.save()
+
+    def finish(self, status: str, elapsed_s: float) -> None:
+        assert status in STATUSES, status
+        self.data.update(status=status, elapsed_s=round(elapsed_s, 2))
+        self.save()
+
+    def save(self) -> None:
+        write_json_atomic(self.path, self.data)
+
+
+def failed_checks(results_dir: str | os.PathLike) -> list[str]:
+    """'file: check: detail' for every failed check in the phase files."""
+    out = []
+    for name in PHASE_FILES:
+        data = read_json(Path(results_dir) / name) or {}
+        for c in data.get("checks", []):
+            if not c.get("ok"):
+                out.append(f"{name}: {c.get('name')}: {c.get('detail', '')}".rstrip(": "))
+    return out
+
+
+# ---- Markdown ----------------------------------------------------------------------------------
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def _gib(num_bytes) -> str:
+    return "–" if num_bytes is None else f"{num_bytes / 2**30:.2f}"
+
+
+def _ms(seconds) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) if not isinstance(c, str) else c for c in r) + " |" for r in rows]
+    return lines
+
+
+def _status_of(name: str, data) -> str:
+    if data is None:
+        return "not run"
+    status = data.get("status", "?")
+    if status == "running":
+        status = "interrupted"
+    return status
+
+
+def render_summary(results_dir: str | os.PathLike) -> str:
+    """Markdown summary of every result file in `results_dir` (missing files show as 'not run')."""
+    d = Path(results_dir)
+    env = read_json(d / "environment.json") or {}
+    setup = read_json(d / "setup.json")
+    fb = read_json(d / "flashbob_cuda.json")
+    ls = read_json(d / "last_stage.json")
+    fails = failed_checks(d)
+    lines = ["# GPU check results", ""]
+    lines.append(f"Written by `bash benchmarks/gpu_check.sh` (benchmarks/gpu/). Started {env.get('started', '?')}; "
+                 f"total {_fmt(env.get('total_s'))} s.")
+    lines.append("")
+    verdict = env.get("verdict")
+    if verdict:
+        lines += [f"**Verdict: {verdict}**", ""]
+    gpu = env.get("gpu") or {}
+    sw = env.get("software") or {}
+    lines += ["## Machine and software", ""]
+    lines += _table(["what", "value"], [
+        ["GPU", f"{gpu.get('name', '?')} (sm_{gpu.get('capability', '?')}, {_fmt(gpu.get('memory_gib'))} GiB)"],
+        ["driver", gpu.get("driver", "?")],
+        ["python", sw.get("python", "?")],
+        ["torch (CUDA)", f"{sw.get('torch', '?')} (CUDA {sw.get('torch_cuda', '?')})"],
+        ["nvcc", sw.get("nvcc", "?")],
+        ["deepspeed", sw.get("deepspeed", "?")],
+        ["transformers", sw.get("transformers", "?")],
+        ["flash-attn", sw.get("flash_attn") or "not installed"],
+        ["repository", f"{env.get('git_commit', '?')}{' (dirty)' if env.get('git_dirty') else ''}"],
+    ])
+    lines += ["", "## Phases", ""]
+    phase_rows = []
+    for label, data in (("setup (install, build, tests/ops)", setup), ("FlashBoB CUDA benchmark", fb),
+                        ("last-stage meta-training step", ls)):
+        phase_rows.append([label, _status_of(label, data), _fmt((data or {}).get("elapsed_s"))])
+    lines += _table(["phase", "status", "seconds"], phase_rows)
+
+    lines += ["", "## Correctness checks", ""]
+    checks = []
+    for name, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls)):
+        for c in (data or {}).get("checks", []):
+            checks.append([name, c.get("name", "?"), "PASS" if c.get("ok") else "**FAIL**", c.get("detail", "")])
+    lines += _table(["phase", "check", "result", "detail"], checks) if checks else ["(none ran)"]
+    if fails:
+        lines += ["", f"{len(fails)} check(s) failed."]
+
+    if fb and fb.get("rows"):
+        cfg = fb.get("config", {})
+        lines += ["", "## FlashBoB on CUDA", "",
+                  f"bf16, causal, B={cfg.get('batch', '?')}, H={cfg.get('heads_q', '?')} query / "
+                  f"{cfg.get('heads_kv', '?')} key-value heads, D={cfg.get('head_dim', '?')}. "
+                  "Time: median CUDA-event time of one step. Memory: peak allocated during the step "
+                  "above what the inputs hold. TFLOP/s from the FLOP model in the JSON "
+                  f"({fb.get('flop_model', '')}).", ""]
+        rows = []
+        for r in fb["rows"]:
+            rows.append([str(r.get("n")), r.get("method", "?"), r.get("status", "?"), _ms(r.get("time_s")),
+                         _gib(r.get("peak_bytes")), _fmt(r.get("tflops"))])
+        lines += _table(["N", "method", "status", "ms", "peak GiB", "TFLOP/s"], rows)
+    if ls and ls.get("rows"):
+        cfg = ls.get("config", {})
+        lines += ["", "## Last pipeline stage: one meta-training step", "",
+                  f"{cfg.get('description', '')}", ""]
+        rows = []
+        for r in ls["rows"]:
+            rows.append([str(r.get("tokens")), r.get("backend", "?"), r.get("status", "?"), _fmt(r.get("num_events")),
+                         _fmt(r.get("step_s")), _fmt(r.get("tokens_per_s")), _gib(r.get("peak_bytes")),
+                         _fmt(r.get("loss"))])
+        lines += _table(["T", "attention", "status", "events", "step s", "tokens/s", "peak GiB", "loss"], rows)
+    for label, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls)):
+        notes = (data or {}).get("notes", [])
+        if notes:
+            lines += ["", f"Notes ({label}):", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(results_dir: str | os.PathLike) -> Path:
+    path = Path(results_dir) / "summary.md"
+    tmp = path.with_name(".summary.md.tmp")
+    tmp.write_text(render_summary(results_dir))
+    os.replace(tmp, path)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python benchmarks/gpu/gpu_results.py RESULTS_DIR")
+    print(write_summary(sys.argv[1]))

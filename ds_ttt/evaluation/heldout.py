@@ -1,0 +1,81 @@
+"""The held-out evaluation job behind `evals/evaluate.py`: load, check exposure, evaluate, write.
+
+    from ds_ttt.evaluation.heldout import run_heldout
+    results = run_heldout("RUN_OR_EXPORT", "DATA/manifest.json", "EVAL")
+
+Only the manifest's `test` split is read. The exposure label says whether the model could have seen
+these trajectories in training:
+  held_out        the checkpoint was trained on this very manifest (its test split is disjoint by
+                  group, checked when the manifest was prepared), or on another manifest whose train
+                  split shares no trajectory id or group with this test split;
+  exposed         the training manifest's train split contains some of these trajectories (counted);
+  unknown         the checkpoint records no training manifest, or it cannot be read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+
+from ds_ttt.evaluation.report import write_results
+from ds_ttt.evaluation.runner import MODES, evaluate_model
+
+RESULTS_FORMAT = "ds_ttt-eval-v1"
+
+
+def exposure(provenance: dict, manifest, split: str = "test") -> dict:
+    """Exposure label of `manifest`'s `split` for a model with `provenance` (see module docstring)."""
+    train_sha = provenance.get("manifest_sha256")
+    train_path = provenance.get("manifest_path")
+    if train_sha and train_sha == manifest.sha256:
+        return {"label": "held_out", "detail": f"{split} split of the training manifest (group-disjoint from train)",
+                "training_manifest_sha256": train_sha}
+    if train_path:
+        try:
+            from ds_ttt.data.manifest import load_manifest
+
+            tm = load_manifest(train_path)
+        except Exception as e:  # noqa: BLE001 - report, do not fail the evaluation
+            return {"label": "unknown", "detail": f"training manifest {train_path} unreadable: {e}",
+                    "training_manifest_sha256": train_sha}
+        eval_trajs = manifest.trajectories(split)
+        ids = {t["id"] for t in eval_trajs}
+        groups = {t["meta"].get("group", t["id"]) for t in eval_trajs}
+        train_trajs = tm.trajectories("train")
+        id_overlap = len(ids & {t["id"] for t in train_trajs})
+        group_overlap = len(groups & {t["meta"].get("group", t["id"]) for t in train_trajs})
+        label = "held_out" if id_overlap == 0 and group_overlap == 0 else "exposed"
+        return {"label": label, "detail": f"other manifest than training; {id_overlap} of {len(ids)} trajectories and "
+                f"{group_overlap} of {len(groups)} groups are in the training split",
+                "training_manifest_sha256": tm.sha256, "overlap_ids": id_overlap, "overlap_groups": group_overlap}
+    return {"label": "unknown", "detail": "the checkpoint records no training manifest",
+            "training_manifest_sha256": train_sha}
+
+
+def run_heldout(checkpoint: str, manifest_path: str, out_dir: str, *, device: str = "cpu", limit: int | None = None,
+                progress: bool = True, modes=MODES, plots: bool = True) -> dict:
+    from ds_ttt.data.manifest import load_manifest
+    from ds_ttt.export import load_for_inference
+
+    manifest = load_manifest(manifest_path)
+    trajectories = manifest.rendered("test")
+    if limit is not None:
+        trajectories = trajectories[:limit]
+    loaded = load_for_inference(checkpoint, device=device)
+    tokenizer = manifest.tokenizer()
+    results = {
+        "format": RESULTS_FORMAT,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "exposure": exposure(loaded.provenance, manifest),
+        "checkpoint": loaded.provenance,
+        "manifest": {"path": str(pathlib.Path(manifest_path)), "sha256": manifest.sha256, "split": "test",
+                     "capacity": manifest.capacity, "limit": limit},
+        "config": {"sha256": loaded.provenance.get("config_sha256"), "ttt": loaded.model.ttt.to_dict(),
+                   "context_policy": loaded.model.ttt.context_policy,
+                   "num_hidden_layers": loaded.model.config.num_hidden_layers,
+                   "num_adaptive": loaded.model.num_adaptive},
+    }
+    results.update(evaluate_model(loaded.model, trajectories, tokenizer=tokenizer, modes=modes, device=device,
+                                  progress=progress))
+    write_results(results, out_dir, plots=plots)
+    return results

@@ -1,0 +1,127 @@
+"""The memory test (after WorldTUI's): can the agent reproduce values it saw only once, rounds ago?
+
+    from ds_ttt.evaluation.memory import run_memory_test
+    results = run_memory_test("RUN_OR_EXPORT", "MEM")           # evals/memory_test.py
+
+32 fresh worlds from `ds_ttt.data.generator.generate_memory_world(seed)` (seeds MEMORY_SEED_BASE + i;
+the generator's training trajectories use the RNG namespace f"{seed}:{index}", memory worlds
+f"memory-world:{seed}", and every key is a hash of a fresh random salt, so names and values are
+never seen in training; with the training manifest at hand the values are also searched for in its
+train split and the hits reported). In each world the agent generates two keys with real shell
+commands (observed once), runs 1-3 distractor commands, then reads each key back with `cat`.
+A readback is exact when the model predicts that `cat` output greedily from the command, end
+token included (observation exact match of the readback round); a world passes only if both
+readbacks are exact. Reported for ttt and frozen, under the model's configured context policy
+(`current_round`: only the fast weights can carry a key across rounds; `full`: attention can copy it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+
+from ds_ttt.evaluation.runner import MODES, evaluate_trajectory
+
+MEMORY_SEED_BASE = 1_000_000
+RESULTS_FORMAT = "ds_ttt-memory-v1"
+
+
+def memory_worlds(num_worlds: int = 32, seed_base: int = MEMORY_SEED_BASE) -> list[dict]:
+    from ds_ttt.data.generator import generate_memory_world
+
+    return [generate_memory_world(seed_base + i) for i in range(num_worlds)]
+
+
+def contamination(worlds: list[dict], training_manifest: str | None) -> dict:
+    """How many of the worlds' key values occur anywhere in the training split's text."""
+    if not training_manifest:
+        return {"checked": False, "detail": "the checkpoint records no training manifest"}
+    try:
+        from ds_ttt.data.manifest import load_manifest
+
+        man = load_manifest(training_manifest)
+        text = (man.dir / man.data["splits"]["train"]["file"]).read_text(encoding="utf-8")
+    except Exception as e:  # noqa: BLE001 - report, do not fail the test
+        return {"checked": False, "detail": f"{training_manifest}: {e}"}
+    values = [v for w in worlds for v in w["meta"]["values"].values()]
+    hits = sorted(v for v in values if v in text)
+    return {"checked": True, "training_manifest_sha256": man.sha256, "num_values": len(values),
+            "values_found_in_training": len(hits), "examples": hits[:5]}
+
+
+def score_worlds(model, worlds: list[dict], tokenizer, *, modes=MODES, device="cpu", progress=True) -> dict:
+    from ds_ttt.data.render import render_trajectory
+
+    per_mode = {m: {"worlds_passed": 0, "readbacks_exact": 0, "facts_exact": 0, "num_facts": 0} for m in modes}
+    rows = []
+    it = worlds
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(worlds, desc="memory worlds", unit="world")
+    for world in it:
+        rendered = render_trajectory(world, tokenizer)
+        row = {"id": world["id"], "seed": world["meta"]["seed"], "num_tokens": len(rendered.input_ids),
+               "readback_rounds": [rb["round"] for rb in world["meta"]["readbacks"]]}
+        for m in modes:
+            metrics, _ = evaluate_trajectory(model, rendered, m, tokenizer=tokenizer, device=device)
+            by_round = {r.round: r for r in metrics}
+            exact = [bool(by_round[rb["round"]].obs_exact) for rb in world["meta"]["readbacks"]]
+            facts = [f["exact"] for r in metrics for f in r.memory]
+            row[m] = {"readbacks_exact": exact, "passed": all(exact),
+                      "readback_obs_nll": [by_round[rb["round"]].obs_nll for rb in world["meta"]["readbacks"]],
+                      "facts_exact": facts}
+            s = per_mode[m]
+            s["worlds_passed"] += int(all(exact))
+            s["readbacks_exact"] += sum(exact)
+            s["facts_exact"] += sum(bool(f) for f in facts)
+            s["num_facts"] += len(facts)
+        rows.append(row)
+    n = len(worlds)
+    num_readbacks = sum(len(w["meta"]["readbacks"]) for w in worlds)
+    for s in per_mode.values():
+        s.update(num_worlds=n, num_readbacks=num_readbacks,
+                 worlds=f"{s['worlds_passed']}/{n}", readbacks=f"{s['readbacks_exact']}/{num_readbacks}")
+    return {"summary": per_mode, "worlds": rows}
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Memory test", "",
+             f"- {results['num_worlds']} fresh worlds (seeds {results['seeds'][0]}..{results['seeds'][1]}), "
+             f"context policy `{results['context_policy']}`",
+             f"- checkpoint `{results['checkpoint'].get('path')}`, config sha256 {str(results['config_sha256'])[:16]}",
+             f"- contamination: {results['contamination'].get('values_found_in_training', 'not checked')}", "",
+             "| mode | worlds passed | readbacks exact | memory facts exact |", "|---|---|---|---|"]
+    for m, s in results["summary"].items():
+        lines.append(f"| {m} | {s['worlds']} | {s['readbacks']} | {s['facts_exact']}/{s['num_facts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_memory_test(checkpoint: str, out_dir: str, *, num_worlds: int = 32, seed_base: int = MEMORY_SEED_BASE,
+                    device: str = "cpu", progress: bool = True, modes=MODES) -> dict:
+    from ds_ttt.export import load_for_inference
+
+    loaded = load_for_inference(checkpoint, device=device)
+    tokenizer = loaded.tokenizer
+    if tokenizer is None:
+        from ds_ttt.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer()
+    worlds = memory_worlds(num_worlds, seed_base)
+    results = {
+        "format": RESULTS_FORMAT,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "num_worlds": num_worlds,
+        "seeds": [seed_base, seed_base + num_worlds - 1],
+        "context_policy": loaded.model.ttt.context_policy,
+        "checkpoint": loaded.provenance,
+        "config_sha256": loaded.provenance.get("config_sha256"),
+        "contamination": contamination(worlds, loaded.provenance.get("manifest_path")),
+    }
+    results.update(score_worlds(loaded.model, worlds, tokenizer, modes=modes, device=device, progress=progress))
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "summary.md").write_text(markdown(results))
+    return results

@@ -58,34 +58,34 @@ def collate(rows, *, bucket: int, capacity: int):
 
 
 def samples_from_manifest(manifest, split: str = "train") -> list[Sample]:
-    """Rendered trajectories of a split with at least one action token (others teach nothing)."""
-    out = []
-    for r in manifest.rendered(split):
-        if any(k == 1 for k in r.kinds):
-            out.append(Sample(r.id, list(r.input_ids), list(r.kinds), list(r.rounds)))
-    return out
+    """Rendered, capacity-filtered trajectories of a split, in the manifest's (id) order."""
+    return [Sample(r.id, list(r.input_ids), list(r.kinds), list(r.rounds)) for r in manifest.rendered(split)]
 
 
 class TrajectoryBatches:
-    def __init__(self, samples: Sequence[Sample], *, train_batch_size: int, micro_batch_size: int,
+    def __init__(self, samples: Sequence[Sample] | None, *, num_samples: int, train_batch_size: int, micro_batch_size: int,
                  gradient_accumulation_steps: int, dp_rank: int, dp_size: int, seed: int, bucket: int,
                  capacity: int):
         assert train_batch_size == micro_batch_size * gradient_accumulation_steps * dp_size
-        self.samples = list(samples)
+        # Only ranks that load data (first and last stage) need the samples; the order needs only the count.
+        self.samples = list(samples) if samples is not None else None
+        if self.samples is not None and len(self.samples) != num_samples:
+            raise ValueError(f"{len(self.samples)} rendered trajectories, the manifest lists {num_samples}")
+        self.num_samples = num_samples
         self.global_batch = train_batch_size
         self.micro = micro_batch_size
         self.gas = gradient_accumulation_steps
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.bucket, self.capacity = seed, bucket, capacity
-        self.steps_per_epoch = len(self.samples) // train_batch_size
+        self.steps_per_epoch = num_samples // train_batch_size
         if self.steps_per_epoch < 1:
-            raise ValueError(f"{len(self.samples)} trajectories < train_batch_size={train_batch_size}")
+            raise ValueError(f"{num_samples} trajectories < train_batch_size={train_batch_size}")
         self._perm_epoch, self._perm = -1, None
 
     def _permutation(self, epoch: int) -> list[int]:
         if epoch != self._perm_epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(len(self.samples), generator=g).tolist(), epoch
+            self._perm, self._perm_epoch = torch.randperm(self.num_samples, generator=g).tolist(), epoch
         return self._perm
 
     def step_micro_batches(self, step: int) -> list[list[Sample]]:

@@ -306,9 +306,10 @@ def make_plan(run: RunConfig, num_train: int, retained_rounds: int, train_batch_
         raise ValueError(f"the train split has {num_train} trajectories, fewer than train_batch_size="
                          f"{train_batch_size}: lower train_batch_size or add data")
     planned = run.max_steps if run.max_steps is not None else run.epochs * steps_per_epoch
-    warmup = max(1, math.ceil(WARMUP_FRACTION * planned))
-    if planned < 2:
-        raise ValueError(f"the plan has {planned} step(s); warmup + cosine needs at least 2 (raise --max_steps)")
+    warmup = max(2, math.ceil(WARMUP_FRACTION * planned))  # DeepSpeed's WarmupCosineLR warms up >= 2 steps
+    if planned < 3:
+        raise ValueError(f"the plan has {planned} step(s); warmup (>= 2 steps) + cosine needs at least 3: "
+                         "raise --max_steps or epochs")
     return Plan(planned, warmup, steps_per_epoch, num_train, retained_rounds, train_batch_size, run.min_lr_ratio)
 
 

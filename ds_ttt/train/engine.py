@@ -1,0 +1,228 @@
+"""The training run: resolve the run, build the pipeline engine, train, log, checkpoint.
+
+    from ds_ttt.train.engine import train
+    train(run_cfg, ds_config, resume=None, start_stage_from=None)     # after deepspeed.init_distributed
+
+Three ways to start (ds_ttt/train/checkpoint.py has the files):
+  fresh                 plan fixed from the data (--max_steps or epochs), schedule starts at 0;
+  --resume CKPT         same manifest (hash checked) and plan; weights, optimizer, scheduler, RNG and
+                        the data cursor continue exactly (per-step losses equal an uninterrupted run);
+  --start-stage-from C  a new data stage: a new manifest and a new output dir; weights, optimizer and
+                        RNG are kept, the data order and the schedule restart (a new plan), the
+                        cumulative step count continues; train/test ids must not cross between stages.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from ds_ttt.data.manifest import load_manifest
+from ds_ttt.model.hf_adapter import checkpoint_shards, is_prime_param, load_qwen3_config
+from ds_ttt.model.presets import backbone_config
+from ds_ttt.train import checkpoint as ckpt
+from ds_ttt.train.data_loader import TrajectoryBatches, samples_from_manifest
+from ds_ttt.train.logging import MetricsLogger, peak_memory_bytes
+from ds_ttt.train.pipeline import STAT_KEYS, TTTPipelineModule
+from ds_ttt.train.run_config import (Plan, RunConfig, batch_sizes, make_plan, resolved_config, resolved_deepspeed,
+                                     validate_deepspeed)
+from ds_ttt.train.schedule import start_schedule
+
+# Settings that change the model's structure or meaning: a resume or a new data stage must keep them.
+STRUCTURAL_TTT = ("adaptive_layers", "prime_intermediate_size", "trainable_scope")
+
+
+def load_backbone(run: RunConfig):
+    return load_qwen3_config(run.model) if run.model else backbone_config(run.preset)
+
+
+@torch.no_grad()
+def load_hf_weights(module: TTTPipelineModule, model_dir: str) -> None:
+    """Copy this stage's tensors from a Hugging Face Qwen3 directory (prime weights stay fresh)."""
+    model_dir = pathlib.Path(model_dir)
+    wanted = {hf: p for _, _, hf, p in module.local_hf_named_parameters()}
+    seen = set()
+    from safetensors import safe_open
+    for shard, names in checkpoint_shards(model_dir).items():
+        mine = [n for n in names if n in wanted]
+        if not mine:
+            continue
+        with safe_open(str(model_dir / shard), "pt") as f:
+            for name in mine:
+                t = f.get_tensor(name)
+                if t.shape != wanted[name].shape:
+                    raise ValueError(f"{model_dir / shard}: {name} has shape {tuple(t.shape)}, "
+                                     f"model expects {tuple(wanted[name].shape)}")
+                wanted[name].copy_(t.to(wanted[name].dtype))
+                seen.add(name)
+    missing = [n for n in wanted if n not in seen and not is_prime_param(n)]
+    if missing:
+        raise KeyError(f"{model_dir}: checkpoint lacks backbone tensors {missing[:5]}")
+
+
+def check_same_model(run: RunConfig, info: ckpt.RunInfo, backbone) -> None:
+    if backbone.to_dict() != info.backbone_config().to_dict():
+        raise ValueError(f"{info.checkpoint}: the backbone differs from this launch's (--preset/--model); "
+                         f"use the checkpoint's model source {info.model_source}")
+    for key in STRUCTURAL_TTT:
+        if getattr(run.ttt, key) != info.ttt[key]:
+            raise ValueError(f"ttt.{key}={getattr(run.ttt, key)!r} but {info.checkpoint} was trained with "
+                             f"{info.ttt[key]!r}; keep it the same to continue from that checkpoint")
+
+
+def check_no_overlap(history: list[dict], manifest, manifest_path: str) -> None:
+    train, test = manifest.ids("train"), manifest.ids("test")
+    for prev in history:
+        for a_name, a, b_name, b in (("train", train, "test", set(prev["test"])),
+                                     ("test", test, "train", set(prev["train"]))):
+            both = sorted(a & b)
+            if both:
+                raise ValueError(
+                    f"{manifest_path}: {len(both)} {a_name} trajectories (e.g. {both[:3]}) are in the {b_name} split "
+                    f"of data stage {prev['data_stage']} ({prev['manifest']}); held-out data must stay held out "
+                    "across stages: re-split the new data")
+
+
+def gather_stats(module: TTTPipelineModule, peak: int) -> dict:
+    last = module.last_stage_layer()
+    vals = [float(last.stats[k]) if last is not None else 0.0 for k in STAT_KEYS]
+    t = torch.tensor(vals, dtype=torch.float64)
+    mem = torch.tensor([float(peak)], dtype=torch.float64)
+    if torch.cuda.is_available():
+        t, mem = t.cuda(), mem.cuda()
+    dist.all_reduce(t)  # only the last stage's ranks (one per dp replica) contribute
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    out = dict(zip(STAT_KEYS, t.tolist()))
+    out["peak_mem"] = mem.item()
+    return out
+
+
+def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_from: str | None = None,
+          after_engine_save=None) -> pathlib.Path:
+    """Train on the current process group (deepspeed.init_distributed already called). Returns RUN_DIR."""
+    if resume and start_stage_from:
+        raise ValueError("--resume and --start-stage-from are exclusive (resume continues a stage; "
+                         "--start-stage-from begins a new one)")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    backbone = load_backbone(run)
+    layout = validate_deepspeed(run, ds, world, backbone.num_hidden_layers)
+    dp = world // layout.num_stages
+    train_bs, micro, gas = batch_sizes(ds, dp)
+    manifest = load_manifest(run.data)
+    num_train = len(manifest.ids("train"))
+    retained = sum(manifest.retained_rounds("train").values())
+    run_dir = pathlib.Path(run.output)
+    source = resume or start_stage_from
+    info = ckpt.RunInfo.read(ckpt.resolve_checkpoint(source)) if source else None
+    history: list[dict] = []
+    data_stage, stage_start_step = 0, 0
+    if info is not None:
+        check_same_model(run, info, backbone)
+        history = json.loads((info.checkpoint / ckpt.DATA_IDS).read_text())["stages"]
+    if resume:
+        if manifest.sha256 != info.manifest_sha256:
+            raise ValueError(f"--resume: {run.data} (sha256 {manifest.sha256[:12]}…) is not the manifest of "
+                             f"{info.checkpoint} ({info.manifest_path}, {info.manifest_sha256[:12]}…); resume with the "
+                             "same data, or begin a new data stage with --start-stage-from")
+        if run_dir.resolve() != info.checkpoint.parent.resolve():
+            raise ValueError(f"--resume continues in the checkpoint's RUN_DIR {info.checkpoint.parent}; "
+                             f"--output {run_dir} differs (omit --output or pass that directory)")
+        plan = Plan(**info.plan)
+        if run.max_steps is not None and run.max_steps != plan.planned_steps:
+            raise ValueError(f"--max_steps {run.max_steps} differs from the plan fixed at the first launch "
+                             f"({plan.planned_steps} steps, {info.checkpoint / ckpt.RUN_CONFIG}); the plan never "
+                             "changes on resume: omit --max_steps or pass the same value")
+        data_stage, stage_start_step = info.raw["data_stage"], info.raw["stage_start_step"]
+        history = history[:-1]  # this stage's own entry is re-added below
+    else:
+        if (run_dir / ckpt.LATEST).exists():
+            raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, or pass a new --output")
+        if info is not None:
+            check_no_overlap(history, manifest, run.data)
+            data_stage, stage_start_step = info.raw["data_stage"] + 1, info.step
+        plan = make_plan(run, num_train, retained, train_bs)
+    if run.stop_at_step is not None and run.stop_at_step > plan.planned_steps:
+        raise ValueError(f"stop_at_step={run.stop_at_step} is beyond the plan ({plan.planned_steps} steps)")
+    history = history + [{"data_stage": data_stage, "manifest": str(pathlib.Path(run.data).resolve()),
+                          "sha256": manifest.sha256, "train": sorted(manifest.ids("train")),
+                          "test": sorted(manifest.ids("test"))}]
+    ds_resolved = resolved_deepspeed(ds, plan)
+    resolved = resolved_config(run=run, backbone=backbone, ds=ds_resolved, plan=plan, layout=layout,
+                               manifest_path=run.data, manifest_sha256=manifest.sha256, data_stage=data_stage,
+                               stage_start_step=stage_start_step, history=[
+                                   {k: h[k] for k in ("data_stage", "manifest", "sha256")} for h in history])
+
+    torch.manual_seed(run.seed)
+    module = TTTPipelineModule(backbone, run.ttt, layout, seed=run.seed)
+    if run.model and info is None:
+        load_hf_weights(module, run.model)
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds_resolved)
+    if resume:
+        client = ckpt.load_checkpoint(engine, info.checkpoint, rank=rank)
+        stage_step = client["stage_step"]
+    elif start_stage_from:
+        ckpt.load_checkpoint(engine, info.checkpoint, rank=rank, load_scheduler=False)
+        start_schedule(engine)
+        stage_step = 0
+    else:
+        start_schedule(engine)
+        stage_step = 0
+    assert engine.global_steps == stage_start_step + stage_step, (engine.global_steps, stage_start_step, stage_step)
+
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.write_json_atomic(run_dir / ckpt.RUN_CONFIG, resolved)
+    dist.barrier()
+    loads_data = engine.is_first_stage() or engine.is_last_stage()
+    batches = TrajectoryBatches(samples_from_manifest(manifest, "train") if loads_data else None,
+                                num_samples=num_train, train_batch_size=train_bs, micro_batch_size=micro,
+                                gradient_accumulation_steps=gas, dp_rank=engine.grid.data_parallel_id, dp_size=dp,
+                                seed=run.seed + 7919 * data_stage, bucket=run.bucket, capacity=manifest.capacity)
+    data_iter = batches.iterate(stage_step) if loads_data else None
+    target = run.stop_at_step or plan.planned_steps
+    logger = MetricsLogger(run_dir, enabled=rank == 0, total=plan.planned_steps, initial=stage_step,
+                           resume_step=engine.global_steps if resume else None,
+                           wandb_config=resolved if run.wandb else None, wandb_project=run.wandb_project)
+    logger.message(f"[ds_ttt] {layout.num_stages} stages x {dp} dp, spec parts {layout.spec_parts()}, "
+                   f"plan {plan.planned_steps} steps (warmup {plan.warmup_steps}), {num_train} train "
+                   f"trajectories, global batch {train_bs} = {micro} x {gas} x {dp}; starting at stage step {stage_step}")
+    last = module.last_stage_layer()
+
+    def save(step_now: int) -> None:
+        epoch, pos = divmod(step_now, batches.steps_per_epoch)
+        client = {"stage_step": step_now, "data_stage": data_stage, "stage_start_step": stage_start_step,
+                  "cursor": {"epoch": epoch, "batch": pos}, "plan": plan.to_dict(), "manifest_sha256": manifest.sha256}
+        ckpt.save_checkpoint(engine, run_dir, engine.global_steps, client, resolved, {"stages": history},
+                             rank=rank, barrier=dist.barrier, after_engine_save=after_engine_save)
+
+    try:
+        while stage_step < target:
+            if last is not None:
+                last.reset_stats()
+            lr = engine.get_lr()[0]
+            t0 = time.perf_counter()
+            loss = engine.train_batch(data_iter=data_iter)
+            dt = time.perf_counter() - t0
+            stage_step += 1
+            st = gather_stats(module, peak_memory_bytes())
+            if stage_step % run.log_interval == 0 or stage_step == target:
+                logger.log({
+                    "step": engine.global_steps, "stage_step": stage_step, "data_stage": data_stage,
+                    "epoch": (stage_step - 1) // batches.steps_per_epoch, "loss": float(loss),
+                    "action_loss": st["action_nll_sum"] / max(st["num_action_tokens"], 1),
+                    "obs_loss": st["obs_nll_sum"] / max(st["num_obs_tokens"], 1),
+                    "inner_updates": int(st["num_updates"]), "inner_skipped": int(st["num_skipped"]),
+                    "tokens": int(st["num_tokens"]), "tokens_per_s": st["num_tokens"] / dt, "step_time_s": dt,
+                    "peak_mem_gb": st["peak_mem"] / 2**30, "lr": lr, "inner_lr": run.ttt.inner_lr})
+            if (run.save_interval and stage_step % run.save_interval == 0) or stage_step == target:
+                save(stage_step)
+    finally:
+        logger.close()
+    return run_dir
+

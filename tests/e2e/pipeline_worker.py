@@ -1,0 +1,119 @@
+"""Multi-rank worker for tests/e2e/test_pipeline_equivalence.py: one optimizer step of the TTT pipeline
+engine, recording the loss and every parameter's update.
+
+    torchrun --nproc_per_node 4 tests/e2e/pipeline_worker.py OUT_DIR
+
+Runs two layouts in one launch (4 CPU ranks): "pp4" = 4 stages x 1 dp, ZeRO-0, no clipping; and
+"pp2dp2" = 2 stages x 2 dp, ZeRO-1, gradient clipping at a norm the gradients exceed. The optimizer is
+SGD with lr 1 (a client optimizer), so each parameter's update is exactly minus its (clipped,
+data-parallel averaged) gradient. Rank files: OUT_DIR/<layout>/rank<R>.pt = {"loss", "delta": {HF name: tensor}}.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from ds_ttt.config import TTTConfig  # noqa: E402
+from ds_ttt.model.presets import tiny_qwen3_config  # noqa: E402
+from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM  # noqa: E402
+from ds_ttt.train.data_loader import Sample, TrajectoryBatches  # noqa: E402
+from ds_ttt.train.run_config import resolve_layout  # noqa: E402
+
+ROUND = [0, 0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 0]
+LAYOUTS = {
+    # name: (stages, zero stage, gradient_clipping, micro, gas)
+    "pp4": (4, 0, 0.0, 2, 2),
+    "pp2dp2": (2, 1, 0.05, 1, 2),
+}
+TTT = dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)
+
+
+def backbone():
+    return tiny_qwen3_config(num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, vocab_size=256)
+
+
+def make_reference() -> TTTQwen3ForCausalLM:
+    torch.manual_seed(0)
+    model = TTTQwen3ForCausalLM(backbone(), TTTConfig(**TTT))
+    with torch.no_grad():  # non-zero prime down projections: the inner updates change the outer loss
+        for layer in model.adaptive_layers:
+            layer.prime_mlp.down_proj.weight.normal_(0, 0.05)
+    model.set_trainable_scope()
+    return model
+
+
+def make_samples(n: int = 8) -> list[Sample]:
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(100 + i)
+        num_rounds, prompt = 1 + i % 3, 3 + i % 4
+        kinds = [0] * prompt + ROUND * num_rounds
+        rounds = [0] * prompt + [r for r in range(1, num_rounds + 1) for _ in ROUND]
+        out.append(Sample(f"s{i}", torch.randint(0, 256, (len(kinds),), generator=g).tolist(), kinds, rounds))
+    return out
+
+
+def batches(stages: int, micro: int, gas: int, dp_rank: int = 0) -> TrajectoryBatches:
+    dp = 4 // stages
+    samples = make_samples()
+    return TrajectoryBatches(samples, num_samples=len(samples), train_batch_size=micro * gas * dp,
+                             micro_batch_size=micro, gradient_accumulation_steps=gas, dp_rank=dp_rank, dp_size=dp,
+                             seed=0, bucket=16, capacity=4096)
+
+
+def run_layout(name: str, out: pathlib.Path) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    from ds_ttt.train.pipeline import ANCHOR, TTTPipelineModule
+
+    stages, zero, clip, micro, gas = LAYOUTS[name]
+    ref = make_reference()
+    layout = resolve_layout(stages, 8, ref.ttt)
+    module = TTTPipelineModule(ref.config, ref.ttt, layout, seed=0)
+    full = ref.state_dict()
+    with torch.no_grad():
+        for _, local, hf, p in module.local_hf_named_parameters():
+            p.copy_(full[hf])
+    params = [p for p in module.parameters() if p.requires_grad]
+    before = {hf: p.detach().clone() for _, _, hf, p in module.local_hf_named_parameters()}
+    ds = {"train_batch_size": micro * gas * (4 // stages), "train_micro_batch_size_per_gpu": micro,
+          "gradient_accumulation_steps": gas, "pipeline": {"stages": stages, "activation_checkpoint_interval": 1,
+                                                           "use_reentrant": False},
+          "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
+          "gradient_clipping": clip, "steps_per_print": 10**6}
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params,
+                                           optimizer=torch.optim.SGD(params, lr=1.0), config=ds)
+    data = batches(stages, micro, gas, engine.grid.data_parallel_id)
+    it = data.iterate(0) if engine.is_first_stage() or engine.is_last_stage() else None
+    loss = engine.train_batch(data_iter=it)
+    if engine.grid.data_parallel_id == 0:
+        delta = {hf: before[hf] - p.detach() for _, _, hf, p in module.local_hf_named_parameters()}
+        assert ANCHOR not in delta
+        (out / name).mkdir(parents=True, exist_ok=True)
+        torch.save({"loss": float(loss), "delta": delta}, out / name / f"rank{dist.get_rank()}.pt")
+    dist.barrier()
+
+
+def main() -> None:
+    import deepspeed
+
+    out = pathlib.Path(sys.argv[1])
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    for name in LAYOUTS:
+        run_layout(name, out)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

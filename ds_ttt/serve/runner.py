@@ -1,0 +1,118 @@
+"""Try a model on a real task: the agent's bash tool calls run in a sandboxed throwaway directory.
+
+    .venv/bin/python -m ds_ttt.serve.runner --model EXPORT --task "Count the lines of notes.txt" \
+        [--setup-dir DIR] [--max-rounds 20] [--timeout 10] [--temperature 0] [--max-new-tokens 512] [--keep]
+
+Each command runs through `ds_ttt.data.sandbox.Sandbox` — the generator's own sandbox, so the
+observations look exactly like the training data: `bash --noprofile --norc -c CMD` in a fresh temporary
+directory (also HOME), C locale, fixed PATH, stdin from /dev/null, a timeout, no network via
+`unshare -rn` where the kernel allows it, and the output formatted by `format_observation` (exit code
+and timeout notes appended, long output cut). The directory is deleted afterwards unless --keep.
+This is a convenience for trying a model, not a security boundary for untrusted code.
+Prints one JSON line per round (message, observation, observation loss) and a final summary.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from ds_ttt.data.sandbox import Sandbox, format_observation
+
+
+class BashToolRunner:
+    """Executes `bash` tool calls (arguments {"command": ...}) in one throwaway sandbox directory."""
+
+    def __init__(self, *, timeout: float = 10.0, max_output_chars: int = 2000, keep: bool = False,
+                 setup_dir: str | Path | None = None):
+        self.sandbox = Sandbox(keep=keep, timeout=timeout)
+        self.max_output_chars = max_output_chars
+        if setup_dir is not None:
+            shutil.copytree(setup_dir, self.sandbox.root, dirs_exist_ok=True)
+
+    @property
+    def root(self) -> Path:
+        return self.sandbox.root
+
+    def __enter__(self) -> "BashToolRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sandbox.__exit__(None, None, None)
+
+    def execute(self, call: dict) -> str:
+        """The observation text for one tool call (errors are reported to the agent, never raised)."""
+        fn = call.get("function", call)
+        name = fn.get("name")
+        if name != "bash":
+            return f"[error: unknown tool {name!r}; the only tool is bash]"
+        try:
+            args = fn.get("arguments")
+            args = json.loads(args) if isinstance(args, str) else (args or {})
+            command = args["command"]
+            if not isinstance(command, str):
+                raise TypeError("command must be a string")
+        except (ValueError, KeyError, TypeError) as e:
+            return f"[error: bad bash arguments: {e}]"
+        return format_observation(self.sandbox.run(command), max_chars=self.max_output_chars)
+
+
+def run_episode(session, task: str, runner: BashToolRunner, *, max_rounds: int = 20, on_round=None) -> dict:
+    """act → execute every tool call → observe, until an action makes no tool call or max_rounds."""
+    session.reset(task)
+    rounds = []
+    finished = False
+    for _ in range(max_rounds):
+        message = session.act()
+        calls = message.get("tool_calls") or []
+        invalid = message.get("invalid_tool_calls") or []
+        if not calls and not invalid:
+            rounds.append({"round": session.round, "message": message})
+            finished = True
+            if on_round:
+                on_round(rounds[-1])
+            break
+        outputs = [runner.execute(c) for c in calls] + [f"[error: invalid tool call: {b['error']}]" for b in invalid]
+        loss = session.observe(outputs)
+        rounds.append({"round": session.round, "message": message, "outputs": outputs, "obs_loss": loss})
+        if on_round:
+            on_round(rounds[-1])
+    return {"task": task, "finished": finished, "num_rounds": len(rounds), "rounds": rounds,
+            "num_tokens": len(session.input_ids)}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="export directory")
+    p.add_argument("--task", required=True)
+    p.add_argument("--setup-dir", default=None, help="copied into the sandbox before the episode")
+    p.add_argument("--max-rounds", type=int, default=20)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per command")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--keep", action="store_true", help="keep the sandbox directory")
+    args = p.parse_args(argv)
+    from ds_ttt.serve.session import AgentSession
+
+    session = AgentSession(args.model, device=args.device, temperature=args.temperature,
+                           max_new_tokens=args.max_new_tokens)
+    with BashToolRunner(timeout=args.timeout, keep=args.keep, setup_dir=args.setup_dir) as runner:
+        result = run_episode(session, args.task, runner, max_rounds=args.max_rounds,
+                             on_round=lambda r: print(json.dumps(r, ensure_ascii=False), flush=True))
+        summary = {k: v for k, v in result.items() if k != "rounds"}
+        if args.keep:
+            summary["sandbox"] = str(runner.root)
+    print(json.dumps(summary), flush=True)
+    return 0 if result["finished"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -54,10 +54,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     overrides = {k: getattr(args, k) for k in ("data", "output", "max_steps", "stop_at_step", "preset", "model",
                                                "epochs", "seed", "save_interval", "wandb")}
-    if args.resume and not args.output:  # resume continues in the checkpoint's RUN_DIR
-        from ds_ttt.train.checkpoint import resolve_checkpoint
-        overrides["output"] = str(resolve_checkpoint(args.resume).parent)
-    run = load_run_config(args.run_config, overrides, parse_ttt_overrides(args.ttt))
+    base = None
+    if args.resume:  # resume continues the checkpoint's run (its config, data and RUN_DIR) unless overridden
+        from ds_ttt.train.checkpoint import RunInfo, resolve_checkpoint
+        base = RunInfo.read(resolve_checkpoint(args.resume)).run
+    run = load_run_config(args.run_config, overrides, parse_ttt_overrides(args.ttt), base=base)
     with open(args.deepspeed_config) as f:
         ds = json.load(f)
     if not torch.cuda.is_available():  # no /dev/shm all-reduce buffers (they only serve inference)

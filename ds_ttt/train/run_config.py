@@ -100,14 +100,25 @@ class RunConfig:
         return cls(**data)
 
 
-def load_run_config(path: str | None, overrides: dict[str, Any], ttt_overrides: dict[str, Any]) -> RunConfig:
-    """File (optional) < CLI overrides (None values are ignored); validated."""
-    data: dict[str, Any] = {}
+def load_run_config(path: str | None, overrides: dict[str, Any], ttt_overrides: dict[str, Any],
+                    base: dict[str, Any] | None = None) -> RunConfig:
+    """base (a resumed checkpoint's run config) < file (optional) < CLI overrides (None values are
+    ignored); validated."""
+    data: dict[str, Any] = dict(base or {})
+    if base is not None:
+        data["stop_at_step"] = None  # an early stop of the interrupted launch does not carry over
     if path:
-        data = json.loads(pathlib.Path(path).read_text())
+        file_data = json.loads(pathlib.Path(path).read_text())
+        if base is not None:
+            file_data.pop("ttt", None)  # a resume keeps the checkpoint's TTT settings (overrides via --ttt)
+        data.update(file_data)
+        if "model" in file_data and file_data["model"] is not None:
+            data["preset"] = None
     data.update({k: v for k, v in overrides.items() if v is not None})
     if overrides.get("model") is not None:  # --model replaces the file's preset
         data["preset"] = None
+    if overrides.get("preset") is not None:
+        data["model"] = None
     ttt = dict(data.get("ttt", {}))
     ttt.update(ttt_overrides)
     data["ttt"] = ttt

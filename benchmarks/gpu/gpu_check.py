@@ -289,7 +289,10 @@ def phase_install(ctx: "Context", timeout: float) -> None:
     deadline = t0 + timeout
     rec = ctx.setup
     reqs = read_requirements(REPO / "requirements" / "gpu.txt")
-    before = python_json(ctx.python, HERE / "collect_env.py", [], timeout=min(120, timeout)) or {}
+    def left(cap: float = 120.0) -> float:
+        return max(10.0, min(cap, deadline - time.monotonic()))
+
+    before = python_json(ctx.python, HERE / "collect_env.py", [], timeout=left()) or {}
     missing = missing_requirements(before, reqs)
     install = {"python": ctx.python, "source": f"wheels in {ctx.args.wheels}" if ctx.args.wheels else "package index",
                "present": {k: v for k, v in (before.get("packages") or {}).items() if v}, "missing": missing}
@@ -308,27 +311,31 @@ def phase_install(ctx: "Context", timeout: float) -> None:
         r = pip_install(ctx.python, missing, wheels=ctx.args.wheels, timeout=deadline - time.monotonic(), log=ctx.log)
         install["pip"] = {k: r[k] for k in ("rc", "timed_out", "seconds")}
         if r["rc"] != 0:
-            install["error"] = ("pip timed out" if r["timed_out"] else "pip failed") + f": {r['tail'][-1500:]}"
+            install["error"] = ("pip timed out" if r["timed_out"] else "pip failed") + f": {last_lines(r['tail'], 5)}"
     # flash-attn: only a ready wheel, never a source build (that takes far longer than the window).
-    after = python_json(ctx.python, HERE / "collect_env.py", [], timeout=120) or {}
+    after = python_json(ctx.python, HERE / "collect_env.py", [], timeout=left()) or {}
     if not (after.get("packages") or {}).get("flash-attn"):
         wheels = sorted(Path(ctx.args.wheels).glob("flash_attn-*.whl")) if ctx.args.wheels else []
-        left = deadline - time.monotonic()
         if wheels:
-            r = pip_install(ctx.python, [str(wheels[-1])], wheels=ctx.args.wheels, timeout=left, log=ctx.log,
+            r = pip_install(ctx.python, [str(wheels[-1])], wheels=ctx.args.wheels, timeout=left(1e9), log=ctx.log,
                             extra=["--no-deps"])
-        elif not ctx.args.wheels and left > 20:
+        elif not ctx.args.wheels and deadline - time.monotonic() > 20:
             spec = read_requirements(REPO / "requirements" / "flash-attn.txt").get("flash-attn", "flash-attn")
-            r = pip_install(ctx.python, [spec], wheels=None, timeout=min(60.0, left), log=ctx.log,
+            r = pip_install(ctx.python, [spec], wheels=None, timeout=left(60.0), log=ctx.log,
                             extra=["--only-binary=:all:", "--no-deps"])
         else:
             r = None
-        after = python_json(ctx.python, HERE / "collect_env.py", [], timeout=120) or {}
+        after = python_json(ctx.python, HERE / "collect_env.py", [], timeout=left()) or {}
         fa = (after.get("packages") or {}).get("flash-attn")
         install["flash_attn"] = fa or "not installed"
         if not fa:
-            why = ("no flash_attn wheel in the wheels folder" if ctx.args.wheels and r is None
-                   else "no ready wheel for this torch/CUDA/Python" if r is not None else "no time left")
+            if r is None:
+                why = "no flash_attn wheel in the wheels folder" if ctx.args.wheels else "no time left"
+            elif ctx.args.wheels:
+                why = f"the flash_attn wheel in {ctx.args.wheels} did not install"
+            else:
+                why = ("the index has no ready wheel for this torch/CUDA/Python; flash-attn publishes source, "
+                       "and a source build takes far longer than this window")
             rec.note(f"flash-attn not installed ({why}); continuing without it: the benchmark compares "
                      "against PyTorch SDPA's FlashAttention-2 kernel instead")
     else:
@@ -351,10 +358,10 @@ def phase_build(ctx: "Context", timeout: float) -> bool:
         result["error"] = f"build timed out after {timeout:.0f} s"
     ok = bool(result.get("ok")) and not r["timed_out"]
     if not ok and "error" not in result:
-        result["error"] = r["tail"][-1500:]
+        result["error"] = last_lines(r["tail"], 5)
     ctx.setup.set(build=result)
     ctx.setup.check("build: FlashBoB CUDA op compiles and loads through FlashBoBCUDABuilder", ok,
-                    f"{r['seconds']:.0f} s" if ok else str(result.get("error"))[-1500:])
+                    f"{r['seconds']:.0f} s" if ok else last_lines(str(result.get("error")), 5)[-1500:])
     return ok
 
 
@@ -384,7 +391,7 @@ def phase_tests(ctx: "Context", timeout: float) -> None:
     elif r["rc"] == 5 or counts.get("tests", 0) == 0:
         ok, detail = False, "no tests collected in tests/ops"
     elif counts.get("passed", 0) == 0:
-        ok, detail = False, f"every test was skipped ({counts.get('skipped')}): {r['tail'][-600:]}"
+        ok, detail = False, f"every test was skipped ({counts.get('skipped')}): {last_lines(r['tail'], 4)}"
     else:
         ok = r["rc"] == 0 and counts.get("failures", 0) == 0 and counts.get("errors", 0) == 0
         detail = (f"{counts.get('passed')} passed, {counts.get('failures')} failed, {counts.get('errors')} errors, "
@@ -392,6 +399,11 @@ def phase_tests(ctx: "Context", timeout: float) -> None:
         if counts.get("failed_names"):
             detail += "; failed: " + ", ".join(counts["failed_names"])
     ctx.setup.check("tests/ops: CUDA correctness tests pass", ok, detail)
+
+
+def last_lines(text: str, n: int = 3) -> str:
+    """The last `n` non-empty lines (where an error message sits), joined on one line."""
+    return " | ".join([ln.strip() for ln in text.splitlines() if ln.strip()][-n:])
 
 
 def phase_bench(ctx: "Context", name: str, file_name: str, cmd: list[str], timeout: float) -> None:
@@ -402,7 +414,8 @@ def phase_bench(ctx: "Context", name: str, file_name: str, cmd: list[str], timeo
     if data is None:
         rec = PhaseRecord(path, name)
         rec.check(f"{name}: benchmark ran", False,
-                  ("timed out before writing results" if r["timed_out"] else f"exit {r['rc']}") + f": {r['tail'][-1500:]}")
+                  ("timed out before writing results" if r["timed_out"] else f"exit {r['rc']}")
+                  + f": {last_lines(r['tail'])} (full output: gpu_check.log)")
         rec.finish("timeout" if r["timed_out"] else "failed", r["seconds"])
         return
     if r["timed_out"]:
@@ -412,7 +425,8 @@ def phase_bench(ctx: "Context", name: str, file_name: str, cmd: list[str], timeo
     elif r["rc"] != 0 and data.get("status") in ("ok", "running"):
         data["status"] = "failed"
         data.setdefault("checks", []).append({"name": f"{name}: benchmark exited cleanly", "ok": False,
-                                              "detail": f"exit {r['rc']}: {r['tail'][-1500:]}"})
+                                              "detail": f"exit {r['rc']}: {last_lines(r['tail'])} "
+                                                        "(full output: gpu_check.log)"})
     data["wall_s"] = r["seconds"]
     write_json_atomic(path, data)
 
@@ -429,12 +443,12 @@ class Context:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env.update(PYTHONUNBUFFERED="1", DS_ACCELERATOR="cuda", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
-        if not env.get("CUDA_HOME"):
+        if not env.get("CUDA_HOME"):  # the toolkit folder (an nvcc on PATH may be a wrapper script)
             nvcc = shutil.which("nvcc")
-            if nvcc:
-                env["CUDA_HOME"] = str(Path(nvcc).resolve().parents[1])
-            elif Path("/usr/local/cuda/bin/nvcc").exists():
+            if Path("/usr/local/cuda/bin/nvcc").exists():
                 env["CUDA_HOME"] = "/usr/local/cuda"
+            elif nvcc:
+                env["CUDA_HOME"] = str(Path(nvcc).resolve().parents[1])
         if env.get("CUDA_HOME"):
             env["PATH"] = f"{env['CUDA_HOME']}/bin{os.pathsep}{env.get('PATH', '')}"
         if not env.get("TORCH_CUDA_ARCH_LIST") and self.env_info.get("capability"):

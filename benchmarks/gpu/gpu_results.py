@@ -136,9 +136,15 @@ def _ms(seconds) -> str:
     return "–" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
+def _cell(value, limit: int = 400) -> str:
+    """One table cell: a single line, '|' escaped, long text cut from the front (errors end last)."""
+    text = " ".join((value if isinstance(value, str) else _fmt(value)).split()).replace("|", "\\|")
+    return text if len(text) <= limit else "…" + text[-limit:]
+
+
 def _table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_fmt(c) if not isinstance(c, str) else c for c in r) + " |" for r in rows]
+    lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
     return lines
 
 

@@ -1,0 +1,382 @@
+"""The GPU check's CPU-testable parts: clean refusal without CUDA, arguments and time limits,
+process-group timeouts that keep partial results, the result writer and summary, and the
+benchmark step functions on tiny CPU shapes (reference backend vs PyTorch math; the last-stage
+meta-training step with the reference backend).
+
+    .venv/bin/python -m pytest tests/unit/test_gpu_check.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_DIR = REPO / "benchmarks" / "gpu"
+sys.path.insert(0, str(GPU_DIR))
+
+import bench_flashbob_cuda as bfc  # noqa: E402
+import bench_last_stage as bls  # noqa: E402
+import gpu_check  # noqa: E402
+import gpu_results  # noqa: E402
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the behaviour without a CUDA GPU")
+
+
+def _env_without_gpu_tools() -> dict:
+    """PATH without any nvidia-smi, Python = this interpreter (a CPU torch)."""
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if p and not (Path(p) / "nvidia-smi").exists())
+    return {**os.environ, "PATH": path, "PYTHON": sys.executable}
+
+
+# ---- refusal and arguments -------------------------------------------------------------------------
+
+@NO_CUDA
+def test_refuses_cleanly_without_cuda_and_writes_nothing(tmp_path):
+    out = tmp_path / "results"
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--out", str(out)], cwd=REPO, capture_output=True,
+                       text=True, env=_env_without_gpu_tools(), timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "refused" in r.stderr and "no CUDA GPU" in r.stderr and "nothing was run or written" in r.stderr
+    assert not out.exists()
+    # An earlier run's results in the folder stay untouched by a refused run.
+    out.mkdir()
+    (out / "summary.md").write_text("earlier run\n")
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--out", str(out), "--quick"], cwd=REPO,
+                       capture_output=True, text=True, env=_env_without_gpu_tools(), timeout=120)
+    assert r.returncode == 2
+    assert [p.name for p in out.iterdir()] == ["summary.md"] and (out / "summary.md").read_text() == "earlier run\n"
+
+
+def test_refuses_without_python_interpreter(tmp_path):
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHON": "no-such-python-3.11"}, timeout=30)
+    assert r.returncode == 2 and "no Python interpreter" in r.stderr
+
+
+def test_plan_and_help_need_no_gpu():
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--plan", "--total-s", "300", "--budget", "build=100"],
+                       cwd=REPO, capture_output=True, text=True, env=_env_without_gpu_tools(), timeout=60)
+    assert r.returncode == 0, r.stderr
+    for phase in gpu_check.PHASES:
+        assert phase in r.stdout
+    assert "build       limit   100 s" in r.stdout and "300 s" in r.stdout
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--help"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "--wheels" in r.stdout and "--quick" in r.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--phases", "build,bogus"], "unknown phase"),
+    (["--phases", ""], "unknown phase"),
+    (["--budget", "build=0"], "must be > 0"),
+    (["--budget", "build"], "PHASE=SECONDS"),
+    (["--budget", "compile=10"], "PHASE=SECONDS"),
+    (["--budget", "tests=soon"], "must be a number"),
+    (["--total-s", "0"], "--total-s must be > 0"),
+    (["--wheels", "/no/such/folder"], "not a folder"),
+    (["--frobnicate"], "unrecognized arguments"),
+])
+def test_bad_arguments_exit_2_naming_the_problem(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_arguments_defaults_and_phase_order():
+    a = gpu_check.parse_args(["--phases", "last_stage,build", "--budget", "tests=12.5"])
+    assert a.phases == ["build", "last_stage"]  # canonical order whatever the order given
+    assert a.budgets["tests"] == 12.5 and a.budgets["build"] == gpu_check.BUDGETS["build"]
+    assert Path(a.out) == REPO / "benchmarks" / "results" / "gpu"
+
+
+def test_phase_limits_keep_later_minimums_and_fit_the_window():
+    phases = list(gpu_check.PHASES)
+    budgets = dict(gpu_check.BUDGETS)
+    # Worst case: every phase uses its whole limit; the run still ends inside --total-s.
+    for total in (450.0, 300.0, 200.0):
+        remaining, used = total, 0.0
+        for p in phases:
+            limit = gpu_check.phase_limit(p, phases, remaining, budgets)
+            remaining -= limit
+            used += limit
+        assert used <= total - gpu_check.SUMMARY_RESERVE_S + 1e-9
+    # A slow build cannot take the benchmarks' reserved minimum.
+    later = sum(gpu_check.MINIMUMS[p] for p in ("tests", "flashbob", "last_stage")) + gpu_check.SUMMARY_RESERVE_S
+    assert gpu_check.phase_limit("build", phases, 300.0, {**budgets, "build": 1e9}) == 300.0 - later
+    assert gpu_check.phase_limit("last_stage", phases, 1e9, budgets) == budgets["last_stage"]
+    assert gpu_check.phase_limit("tests", phases, 5.0, budgets) == 0.0
+
+
+def test_requirements_and_missing_packages():
+    reqs = gpu_check.read_requirements(REPO / "requirements" / "gpu.txt")
+    assert reqs["torch"].startswith("torch==") and reqs["deepspeed"].startswith("deepspeed==")
+    present = {n: "1.0" for n in gpu_check.NEEDED}
+    assert gpu_check.missing_requirements({"packages": present, "torch_cuda": "13.0"}, reqs) == []
+    # A CPU-only torch counts as missing; so does an absent package.
+    missing = gpu_check.missing_requirements({"packages": {**present, "deepspeed": None}, "torch_cuda": None}, reqs)
+    assert missing == [reqs["torch"], reqs["deepspeed"]]
+
+
+# ---- processes, partial results ------------------------------------------------------------------------
+
+def test_run_child_kills_the_whole_process_group_at_the_limit(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    code = textwrap.dedent(f"""
+        import subprocess, sys, time
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open({str(pid_file)!r}, "w").write(str(p.pid))
+        print("started", flush=True)
+        time.sleep(120)
+    """)
+    lines = []
+    t0 = time.monotonic()
+    r = gpu_check.run_child([sys.executable, "-c", code], timeout=3, log=lines.append)
+    assert r["timed_out"] and time.monotonic() - t0 < 30
+    assert "started" in r["tail"] and "started" in lines
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init shortly after the kill
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{grandchild}/status").exists() and "zombie" in Path(f"/proc/{grandchild}/status").read_text():
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("grandchild survived the phase timeout")
+    r = gpu_check.run_child([sys.executable, "-c", "import sys; print('x'); sys.exit(3)"], timeout=30,
+                            log=lines.append)
+    assert r["rc"] == 3 and not r["timed_out"]
+
+
+def _context(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    args = gpu_check.parse_args(["--out", str(out)])
+    args.argv = []
+    return gpu_check.Context(args, sys.executable, out, gpu_check.Log(), tmp_path)
+
+
+def test_killed_benchmark_keeps_its_rows_and_is_marked_timeout(tmp_path):
+    ctx = _context(tmp_path)
+    script = tmp_path / "slow_bench.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(GPU_DIR)!r})
+        from gpu_results import PhaseRecord
+        rec = PhaseRecord(sys.argv[1], "slow")
+        rec.add_row({{"n": 1, "status": "ok", "time_s": 0.5}})
+        print("row written", flush=True)
+        time.sleep(120)
+    """))
+    path = ctx.out / "flashbob_cuda.json"
+    gpu_check.phase_bench(ctx, "flashbob_cuda", path.name, [sys.executable, str(script), str(path)], timeout=4)
+    data = json.loads(path.read_text())
+    assert data["status"] == "timeout" and data["rows"] == [{"n": 1, "status": "ok", "time_s": 0.5}]
+    assert any("killed at the phase limit" in n for n in data["notes"])
+
+
+def test_crashed_benchmark_without_results_becomes_a_failed_check(tmp_path):
+    ctx = _context(tmp_path)
+    cmd = [sys.executable, "-c", "raise SystemExit('boom: no kernel')"]
+    gpu_check.phase_bench(ctx, "last_stage", "last_stage.json", cmd, timeout=30)
+    data = json.loads((ctx.out / "last_stage.json").read_text())
+    assert data["status"] == "failed"
+    assert data["checks"][0]["ok"] is False and "boom: no kernel" in data["checks"][0]["detail"]
+    assert any("last_stage" in f for f in gpu_results.failed_checks(ctx.out))
+
+
+def test_junit_counts(tmp_path):
+    xml = tmp_path / "ops.xml"
+    xml.write_text('<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">'
+                   '<testcase classname="tests.ops.t" name="a"/><testcase classname="tests.ops.t" name="b">'
+                   '<failure message="x"/></testcase><testcase classname="tests.ops.t" name="c"/>'
+                   '<testcase classname="tests.ops.t" name="d"><skipped/></testcase></testsuite></testsuites>')
+    c = gpu_check.parse_junit(xml)
+    assert (c["tests"], c["passed"], c["failures"], c["skipped"]) == (4, 2, 1, 1)
+    assert c["failed_names"] == ["tests.ops.t::b"]
+    assert gpu_check.parse_junit(tmp_path / "missing.xml") is None
+
+
+@NO_CUDA
+def test_main_without_a_usable_torch_records_the_failure_and_exits_1(tmp_path, monkeypatch):
+    """A GPU that torch cannot use (here: faked nvidia-smi answer, CPU torch) fails the run with files."""
+    out = tmp_path / "res"
+    out.mkdir()
+    (out / "README.md").write_text("keep me\n")
+    (out / "last_stage.json").write_text("{}")  # an earlier run's file: removed
+    monkeypatch.setattr(gpu_check, "detect_gpu", lambda python: {"source": "test", "name": "Fake GPU",
+                                                                  "driver": "0", "memory_gib": 1.0, "count": 1})
+    rc = gpu_check.main(["--out", str(out), "--phases", "flashbob", "--total-s", "120"])
+    assert rc == 1
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["README.md", "environment.json", "gpu_check.log", "setup.json", "summary.md"]
+    env = json.loads((out / "environment.json").read_text())
+    assert env["verdict"].startswith("FAIL") and env["gpu"]["name"] == "Fake GPU"
+    assert env["software"]["torch"] == torch.__version__
+    setup = json.loads((out / "setup.json").read_text())
+    assert [c["name"] for c in setup["checks"] if not c["ok"]] == ["torch sees the GPU"]
+    summary = (out / "summary.md").read_text()
+    assert "Fake GPU" in summary and "**FAIL**" in summary and "torch sees the GPU" in summary
+
+
+@NO_CUDA
+def test_build_script_reports_why_the_cuda_op_cannot_build(tmp_path):
+    out = tmp_path / "build.json"
+    r = subprocess.run([sys.executable, str(GPU_DIR / "build_flashbob.py"), "--out", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"})
+    assert r.returncode == 1
+    data = json.loads(out.read_text())
+    assert data["ok"] is False and data["compatible"] is False
+    assert data["name"] == "ds_ttt_flashbob_cuda" and any(s.endswith(".cu") for s in data["sources"])
+    assert data["incompatible_reason"] and data["incompatible_reason"] in data["error"]
+
+
+# ---- result files and summary ------------------------------------------------------------------------
+
+def test_json_writer_is_atomic_and_standard(tmp_path):
+    path = tmp_path / "a" / "r.json"
+    gpu_results.write_json_atomic(path, {"x": float("nan"), "y": [1.5, float("inf")], "z": (1, 2)})
+    assert json.loads(path.read_text()) == {"x": "nan", "y": [1.5, "inf"], "z": [1, 2]}
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary file left behind
+    with pytest.raises(TypeError):
+        gpu_results.write_json_atomic(path, {"bad": object()})
+    assert json.loads(path.read_text())["x"] == "nan"  # the earlier file survives a failed write
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]
+
+
+def test_summary_renders_every_phase(tmp_path):
+    gpu_results.write_json_atomic(tmp_path / "environment.json", {
+        "started": "2026-11-30 14:00:00 UTC", "total_s": 400.0, "verdict": "FAIL: 1 correctness check(s) failed",
+        "gpu": {"name": "NVIDIA H200", "capability": "9.0", "memory_gib": 139.8, "driver": "580.1"},
+        "software": {"python": "3.12.3", "torch": "2.11.0+cu130", "torch_cuda": "13.0", "nvcc": "13.0.88",
+                     "deepspeed": "0.19.8", "transformers": "5.17.0", "flash_attn": None},
+        "git_commit": "abc123", "git_dirty": True})
+    setup = gpu_results.PhaseRecord(tmp_path / "setup.json", "setup")
+    setup.check("build: FlashBoB CUDA op compiles", True, "80 s")
+    setup.check("tests/ops: CUDA correctness tests pass", False, "1 failed")
+    setup.note("flash-attn not installed")
+    setup.finish("failed", 120.0)
+    fb = gpu_results.PhaseRecord(tmp_path / "flashbob_cuda.json", "flashbob_cuda", flop_model="fwd 4·N²·D",
+                                 config={"batch": 1, "heads_q": 32, "heads_kv": 8, "head_dim": 128})
+    fb.add_row({"n": 1024, "method": "flashbob_bob", "status": "ok", "time_s": 0.0012, "peak_bytes": 3 * 2**30,
+                "tflops": 155.25})
+    fb.add_row({"n": 32768, "method": "math_bob", "status": "oom"})
+    # last_stage.json left "running": a killed phase shows as interrupted
+    ls = gpu_results.PhaseRecord(tmp_path / "last_stage.json", "last_stage", config={"description": "9 layers"})
+    ls.add_row({"tokens": 2048, "backend": "cuda", "status": "ok", "num_events": 3, "step_s": 1.25,
+                "tokens_per_s": 1638.4, "peak_bytes": 40 * 2**30, "loss": 11.9})
+    path = gpu_results.write_summary(tmp_path)
+    text = path.read_text()
+    assert "NVIDIA H200" in text and "2.11.0+cu130" in text and "abc123 (dirty)" in text
+    assert "flash-attn | not installed" in text
+    assert "**Verdict: FAIL" in text and "| setup | tests/ops: CUDA correctness tests pass | **FAIL** | 1 failed |" in text
+    assert "| 1024 | flashbob_bob | ok | 1.20 | 3.00 | 155 |" in text
+    assert "| 32768 | math_bob | oom |" in text
+    assert "| 2048 | cuda | ok | 3 | 1.25 | 1.64e+03 | 40.00 | 11.9 |" in text
+    assert "| last-stage meta-training step | interrupted |" in text
+    assert "- flash-attn not installed" in text
+    assert gpu_results.failed_checks(tmp_path) == ["setup.json: tests/ops: CUDA correctness tests pass: 1 failed"]
+
+
+def test_summary_of_an_empty_folder_says_not_run(tmp_path):
+    text = gpu_results.render_summary(tmp_path)
+    assert text.count("| not run |") == 3 and "(none ran)" in text
+
+
+# ---- benchmark step functions on CPU ----------------------------------------------------------------------
+
+def test_second_order_step_matches_pytorch_math_on_cpu():
+    x = bfc.make_inputs(12, heads_q=4, heads_kv=2, head_dim=8, dtype=torch.float64, device="cpu", seed=3)
+    got = bfc.second_order_step(bfc.flashbob_attn("reference"), x)
+    want = bfc.second_order_step(bfc.math_attn, x)
+    assert [t.shape for t in got] == [x["q"].shape, x["q"].shape, x["k"].shape, x["v"].shape, x["do"].shape]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert all(float(t.abs().sum()) > 0 for t in got)
+    o, dq, dk, dv = bfc.first_order_step(bfc.flashbob_attn("reference"), x)
+    torch.testing.assert_close(o, got[0])
+    assert dk.shape == x["k"].shape and dv.shape == x["v"].shape
+
+
+def test_cross_check_passes_a_correct_kernel_and_trips_on_a_wrong_one():
+    x = bfc.make_inputs(32, heads_q=4, heads_kv=2, head_dim=16, dtype=torch.bfloat16, device="cpu", seed=0)
+    errs = bfc.cross_check(bfc.flashbob_attn("reference"), x)
+    assert set(errs) == set(bfc.OUTPUT_NAMES)
+    assert max(e["kernel"] for e in errs.values()) < bfc.TRIPWIRE_REL_ERR
+
+    def non_causal(q, k, v):  # a plausible bug: the causal mask dropped
+        from ds_ttt.ops.flashbob import attention
+
+        return attention(q, k, v, causal=False, backend="reference")
+    bad = bfc.cross_check(non_causal, x)
+    assert max(e["kernel"] for e in bad.values()) > bfc.TRIPWIRE_REL_ERR
+
+
+def test_flop_model():
+    fwd_bwd = bfc.step_flops("fwd_bwd", 1024, heads_q=32, head_dim=128)
+    bob = bfc.step_flops("bob", 1024, heads_q=32, head_dim=128)
+    assert fwd_bwd == 14 * 1024**2 * 128 * 32 * 0.5 and bob / fwd_bwd == pytest.approx(50 / 14)
+    assert bfc.step_flops("bob", 1024, heads_q=32, head_dim=128, causal=False) == 2 * bob
+
+
+def test_synthetic_trajectory_structure():
+    ids, kinds, rounds = bls.synthetic_trajectory(40, prompt=6, action=4, observation=5, vocab=50, seed=1)
+    assert ids.shape == kinds.shape == rounds.shape == (1, 40) and int(ids.max()) < 50
+    k, r = kinds[0].tolist(), rounds[0].tolist()
+    assert k[:6] == [0] * 6 and r[:6] == [0] * 6
+    one = [0, 0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 0]  # header, action, separator, observation, separator
+    assert k[6:19] == one and r[6:19] == [1] * 13 and k[19:32] == one and r[19:32] == [2] * 13
+    assert k[32:] == one[:8] and r[32:] == [3] * 8  # the last round is cut at T
+    assert r == sorted(r)
+    with pytest.raises(ValueError, match="must exceed the prompt"):
+        bls.synthetic_trajectory(6, prompt=6, action=4, observation=5, vocab=50)
+
+
+def test_last_stage_step_on_a_tiny_cpu_model(tmp_path, tiny_qwen3_config):
+    out = tmp_path / "last_stage.json"
+    data = bls.run(out=str(out), contexts=[40], backends=["reference"], repeats=1, budget_s=120, preset="tiny",
+                   num_adaptive=2, device="cpu", dtype="fp32", prompt=6, action=4, observation=5,
+                   config=tiny_qwen3_config)
+    assert data == json.loads(out.read_text())
+    assert data["status"] == "ok" and all(c["ok"] for c in data["checks"]) and data["checks"]
+    (row,) = data["rows"]
+    assert row["status"] == "ok" and row["tokens"] == 40 and row["num_events"] == 4
+    assert row["num_updates"] == 3 and row["checks_ok"] and math.isfinite(row["loss"]) and row["tokens_per_s"] > 0
+    assert "9 adaptive" not in data["config"]["description"] and "2 adaptive layers" in data["config"]["description"]
+
+
+def test_last_stage_gradients_reach_only_the_trainable_scope(tiny_qwen3_config):
+    from ds_ttt.config import TTTConfig
+
+    suffix = bls.build_last_stage(tiny_qwen3_config, num_adaptive=2, device="cpu", dtype=torch.float32)
+    trainable = bls.trainable_parameters(suffix)
+    assert trainable and all(p.requires_grad for p in trainable)
+    assert not any(p.requires_grad for p in suffix.lm_head.parameters())
+    assert sum(p.numel() for p in trainable) == sum(
+        p.numel() for layer in suffix.layers for n, p in layer.named_parameters() if n.startswith("prime_"))
+    ids, kinds, rounds = bls.synthetic_trajectory(30, prompt=4, action=3, observation=4, vocab=256)
+    hidden = torch.randn(1, 30, tiny_qwen3_config.hidden_size, requires_grad=True)
+    ttt = TTTConfig(adaptive_layers=2, attention_backend="reference").validate(tiny_qwen3_config.num_hidden_layers)
+    info = bls.last_stage_step(suffix, ttt, hidden, ids, kinds, rounds)
+    checks = bls.step_checks(info, hidden, suffix, rounds, kinds)
+    assert all(ok for _, ok, _ in checks), checks
+    assert suffix.lm_head.weight.grad is None
+    # The checks do fail on a broken step.
+    hidden.grad = torch.zeros_like(hidden)
+    bad = {n: ok for n, ok, _ in bls.step_checks({**info, "num_updates": 0}, hidden, suffix, rounds, kinds)}
+    assert bad == {"loss finite": True, "input gradient finite and non-zero": False,
+                   "prime gradients finite and not all zero": True, "one inner update per observed round": False}

@@ -108,7 +108,8 @@ def export_model(model: TTTQwen3ForCausalLM, out_dir: str | pathlib.Path, *, tok
     """Write `model` (and the tokenizer) to `out_dir` in the layout above; returns a summary dict."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_FILE, out / PRIME_FILE, out / "generation_config.json"]:
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_FILE, out / PRIME_FILE, out / "generation_config.json",
+                                                     out / "data_ids.json"]:
         stale.unlink(missing_ok=True)  # a previous export with more shards must not leave files behind
     state = {n: p.detach().to("cpu", dtype or p.dtype).contiguous() for n, p in model.state_dict().items()}
     backbone = {n: t for n, t in state.items() if not is_prime_param(n)}
@@ -205,104 +206,109 @@ def load_export(export_dir: str | pathlib.Path, *, device: str | torch.device = 
 
 
 # ---- one entry for "a training checkpoint or an export" (evals, export CLI, serving) ----------------
+DATA_IDS_FILE = "data_ids.json"  # the trainer's record of every data stage's train/test ids (exposure checks)
+
+
 @dataclasses.dataclass
 class LoadedModel:
     model: TTTQwen3ForCausalLM
-    tokenizer: object | None  # the tokenizer shipped with the export / the training manifest, if any
-    provenance: dict  # kind, path, sha256, step, manifest_path, manifest_sha256, config_sha256, ...
+    tokenizer: object | None  # the tokenizer shipped with the export / used by the training run, if any
+    provenance: dict  # kind, path, sha256, step, manifest_path, manifest_sha256, config_sha256, data_ids_path, ...
 
 
 def _run_info_dict(info) -> dict:
     if info is None:
         return {}
-    if dataclasses.is_dataclass(info):
-        return dataclasses.asdict(info)
     if isinstance(info, dict):
         return dict(info)
     return {k: getattr(info, k) for k in dir(info) if not k.startswith("_") and not callable(getattr(info, k))}
 
 
-def _first(d: dict, *keys):
-    for k in keys:
-        if d.get(k) is not None:
-            return d[k]
-    return None
+def checkpoint_sha256(ckpt: str | pathlib.Path) -> str:
+    """Hash of a training checkpoint's model weights (DeepSpeed `layer_*model_states.pt`) + run_config.json;
+    optimizer states are left out (they do not change the model and are 3x its size). Other paths: tree_sha256."""
+    ckpt = pathlib.Path(ckpt)
+    files = sorted(ckpt.glob("layer_*model_states.pt")) + [p for p in [ckpt / "run_config.json"] if p.is_file()]
+    if not files or not ckpt.is_dir():
+        return tree_sha256(ckpt)
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.name}\0{sha256_file(p)}\n".encode())
+    return h.hexdigest()
 
 
 def load_training_checkpoint(path: str | pathlib.Path, device: str = "cpu"):
-    """The trainer's loader (ds_ttt/train/checkpoint.py): (model, RunInfo). Kept as one seam for tests."""
-    try:
-        from ds_ttt.train.checkpoint import load_model_from_checkpoint
-    except ImportError as e:  # the trainer is developed separately
-        raise RuntimeError(f"{path} is not a ds_ttt export (no {TTT_CONFIG_FILE}) and the trainer's checkpoint "
-                           f"loader is unavailable ({e}); pass an export directory") from e
+    """The trainer's loader (ds_ttt/train/checkpoint.py) -> (model, RunInfo). One seam for tests."""
+    from ds_ttt.train.checkpoint import load_model_from_checkpoint
+
     return load_model_from_checkpoint(str(path), device=device)
 
 
 def load_for_inference(path: str | pathlib.Path, *, device: str = "cpu", attention_backend: str | None = "reference",
                        hash_files: bool = True) -> LoadedModel:
-    """A frozen TTT model from an export directory or a training checkpoint, with its provenance.
+    """A frozen TTT model from an export directory or a training checkpoint (RUN_DIR or a step dir),
+    with its provenance.
 
     attention_backend: "reference" by default (inference needs first-order gradients only, and the
     reference backend runs on any device without a build); None keeps the trained setting.
     """
+    from ds_ttt.data.tokenizer import load_tokenizer
+
     path = pathlib.Path(path)
     if is_export_dir(path):
         model = load_export(path, device=device, attention_backend=attention_backend)
         meta = read_export_meta(path)
         prov = dict(meta.get("provenance") or {})
         prov.update(kind="export", path=str(path), export_sha256=tree_sha256(path) if hash_files else None,
-                    config_sha256=config_sha256(model.config, model.ttt))
-        tokenizer = None
-        if (path / "tokenizer.json").is_file():
-            from ds_ttt.data.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(str(path))
+                    config_sha256=config_sha256(model.config, model.ttt),
+                    data_ids_path=str(path / DATA_IDS_FILE) if (path / DATA_IDS_FILE).is_file() else None)
+        tokenizer = load_tokenizer(str(path)) if (path / "tokenizer.json").is_file() else None
         return LoadedModel(model, tokenizer, prov)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint or export directory")
     model, info = load_training_checkpoint(path, device=device)
     if attention_backend is not None:
         model.ttt = dataclasses.replace(model.ttt, attention_backend=attention_backend)
     model.eval().requires_grad_(False)
     d = _run_info_dict(info)
-    try:
-        from ds_ttt.train.checkpoint import resolve_checkpoint
-
-        resolved = pathlib.Path(resolve_checkpoint(str(path)))
-    except ImportError:
-        resolved = path
-    manifest_path = _first(d, "manifest_path", "manifest", "data")
+    resolved = pathlib.Path(d.get("checkpoint") or path)
     prov = {
         "kind": "checkpoint",
         "path": str(path),
         "resolved": str(resolved),
-        "sha256": tree_sha256(resolved) if hash_files and resolved.exists() else None,
-        "step": _first(d, "step", "global_step"),
-        "manifest_path": str(manifest_path) if manifest_path is not None else None,
-        "manifest_sha256": _first(d, "manifest_sha256", "manifest_hash"),
-        "model_source": _first(d, "model_source", "model"),
+        "sha256": checkpoint_sha256(resolved) if hash_files and resolved.exists() else None,
+        "sha256_scope": "layer_*model_states.pt + run_config.json",
+        "step": d.get("step"),
+        "manifest_path": str(d["manifest_path"]) if d.get("manifest_path") else None,
+        "manifest_sha256": d.get("manifest_sha256"),
+        "model_source": d.get("model_source"),
         "config_sha256": config_sha256(model.config, model.ttt),
+        "data_ids_path": str(resolved / DATA_IDS_FILE) if (resolved / DATA_IDS_FILE).is_file() else None,
     }
-    tokenizer = None
-    if manifest_path is not None:
-        tok_dir = pathlib.Path(manifest_path)
-        tok_dir = (tok_dir if tok_dir.is_dir() else tok_dir.parent) / "tokenizer"
-        if (tok_dir / "tokenizer.json").is_file():
-            from ds_ttt.data.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(str(tok_dir))
+    tok_dir = d.get("tokenizer_dir")
+    tokenizer = load_tokenizer(str(tok_dir)) if tok_dir and (pathlib.Path(tok_dir) / "tokenizer.json").is_file() else None
     return LoadedModel(model, tokenizer, prov)
 
 
 def export_checkpoint(checkpoint: str | pathlib.Path, out_dir: str | pathlib.Path, *, max_shard_size: int | str = "5GB",
                       dtype: torch.dtype | None = None) -> dict:
-    """Training checkpoint (or another export) -> export directory, with provenance and tokenizer."""
+    """Training checkpoint (or another export) -> export directory, with provenance, the trainer's
+    data_ids.json (so evaluations of the export can still check exposure) and the tokenizer."""
+    import shutil
+
+    if pathlib.Path(out_dir).resolve() == pathlib.Path(checkpoint).resolve():
+        raise ValueError(f"--out {out_dir} is the checkpoint itself; export into a new directory")
     loaded = load_for_inference(checkpoint, attention_backend=None)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         from ds_ttt.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer()
-    prov = {k: v for k, v in loaded.provenance.items() if k not in ("kind",)}
+    prov = {k: v for k, v in loaded.provenance.items() if k not in ("kind", "data_ids_path")}
     prov["source_kind"] = loaded.provenance["kind"]
-    return export_model(loaded.model, out_dir, tokenizer=tokenizer, provenance=prov, max_shard_size=max_shard_size,
-                        dtype=dtype)
+    summary = export_model(loaded.model, out_dir, tokenizer=tokenizer, provenance=prov, max_shard_size=max_shard_size,
+                           dtype=dtype)
+    src_ids = loaded.provenance.get("data_ids_path")
+    if src_ids and pathlib.Path(src_ids).resolve() != (pathlib.Path(out_dir) / DATA_IDS_FILE).resolve():
+        shutil.copyfile(src_ids, pathlib.Path(out_dir) / DATA_IDS_FILE)
+    return summary

@@ -5,11 +5,13 @@
 
 Only the manifest's `test` split is read. The exposure label says whether the model could have seen
 these trajectories in training:
-  held_out        the checkpoint was trained on this very manifest (its test split is disjoint by
-                  group, checked when the manifest was prepared), or on another manifest whose train
-                  split shares no trajectory id or group with this test split;
-  exposed         the training manifest's train split contains some of these trajectories (counted);
-  unknown         the checkpoint records no training manifest, or it cannot be read.
+  held_out        none of them was trained on. Checked against the trainer's data_ids.json (the train
+                  ids of every data stage of the run; exports carry a copy) when present, else: the
+                  checkpoint was trained on this very manifest (its test split is group-disjoint from
+                  train, checked at prepare), or on another manifest whose train split shares no id or
+                  group with this test split;
+  exposed         some of them were in a training split (counted in the detail);
+  unknown         the checkpoint records neither data_ids.json nor a readable training manifest.
 """
 
 from __future__ import annotations
@@ -27,6 +29,21 @@ def exposure(provenance: dict, manifest, split: str = "test") -> dict:
     """Exposure label of `manifest`'s `split` for a model with `provenance` (see module docstring)."""
     train_sha = provenance.get("manifest_sha256")
     train_path = provenance.get("manifest_path")
+    ids_path = provenance.get("data_ids_path")
+    if ids_path and pathlib.Path(ids_path).is_file():
+        import json
+
+        stages = json.loads(pathlib.Path(ids_path).read_text())["stages"]
+        trained = {i for st in stages for i in st["train"]}
+        ids = {t["id"] for t in manifest.trajectories(split)}
+        overlap = len(ids & trained)
+        same = [st["data_stage"] for st in stages if st.get("sha256") == manifest.sha256]
+        where = f"test split of training stage {same[0]}'s manifest; " if same else "not a training manifest; "
+        return {"label": "held_out" if overlap == 0 else "exposed",
+                "detail": f"{where}{overlap} of {len(ids)} trajectories among the {len(trained)} trained ids "
+                          f"of {len(stages)} data stage(s)",
+                "training_manifest_sha256": train_sha, "overlap_ids": overlap,
+                "data_stages": [{"data_stage": st["data_stage"], "sha256": st.get("sha256")} for st in stages]}
     if train_sha and train_sha == manifest.sha256:
         return {"label": "held_out", "detail": f"{split} split of the training manifest (group-disjoint from train)",
                 "training_manifest_sha256": train_sha}

@@ -148,43 +148,58 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def time_cuda(fn, *, target_s: float = 0.3, max_reps: int = 20) -> tuple[float, int, int, tuple]:
-    """(median seconds, repeats, peak bytes above the start, outputs of the measured run)."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    outs = fn()
-    end.record()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    first = start.elapsed_time(end) / 1e3
-    reps = max(1, min(max_reps, int(target_s / max(first, 1e-6))))
-    times = []
-    for _ in range(reps):
+def time_step(fn, *, device="cuda", target_s: float = 0.3, max_reps: int = 20) -> tuple[float, int, int | None, tuple]:
+    """(median seconds, repeats, peak bytes above the start, outputs of the first measured run).
+
+    CUDA: CUDA-event times and the allocator's peak; CPU (tests only): wall clock, no memory figure.
+    """
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed():
+        if not cuda:
+            t0 = time.perf_counter()
+            result = fn()
+            return time.perf_counter() - t0, result
         start.record()
-        fn()
+        result = fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        return start.elapsed_time(end) / 1e3, result
+
+    first, outs = timed()
+    peak = torch.cuda.max_memory_allocated() - base if cuda else None
+    reps = max(1, min(max_reps, int(target_s / max(first, 1e-6))))
+    times = [timed()[0] for _ in range(reps)]
     return statistics.median(times), reps, peak, outs
 
 
 def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: bool = True,
-        check_n: int = 1024, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128) -> dict:
+        check_n: int = 1024, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128, device: str = "cuda",
+        flashbob_backend: str = "cuda") -> dict:
+    """Measure every (N, method) within `budget_s`; rewrite `out` after each; return the record.
+
+    device / flashbob_backend default to the GPU; tests run the same loop on CPU with tiny shapes
+    and the "reference" backend.
+    """
     t_start = time.perf_counter()
-    device = "cuda"
+    cuda = torch.device(device).type == "cuda"
     has_flash_attn = importlib.util.find_spec("flash_attn") is not None
     methods = []
     if use_flashbob:
-        methods += [("flashbob_bob", "bob", flashbob_attn("cuda")), ("flashbob_fwd_bwd", "fwd_bwd", flashbob_attn("cuda"))]
+        methods += [("flashbob_bob", "bob", flashbob_attn(flashbob_backend)),
+                    ("flashbob_fwd_bwd", "fwd_bwd", flashbob_attn(flashbob_backend))]
     methods.append(("flash_attn_fwd_bwd", "fwd_bwd", flash_attn_attn) if has_flash_attn
                    else ("sdpa_flash_fwd_bwd", "fwd_bwd", sdpa_flash_attn))
     methods.append(("math_bob", "bob", math_attn))
     rec = PhaseRecord(out, "flashbob_cuda", flop_model=FLOP_MODEL, config={
         "batch": 1, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim, "dtype": "bf16",
-        "causal": True, "sizes": sizes, "methods": [m[0] for m in methods], "check_n": check_n})
+        "causal": True, "sizes": sizes, "methods": [m[0] for m in methods], "check_n": check_n, "device": device,
+        "flashbob_backend": flashbob_backend})
     if not has_flash_attn:
         rec.note("flash-attn is not installed: the first-order baseline is PyTorch SDPA's FlashAttention-2 "
                  "kernel (sdpa_flash_fwd_bwd) instead of flash_attn_func")
@@ -196,7 +211,7 @@ def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: boo
     if use_flashbob:
         try:
             x = make_inputs(check_n, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, device=device)
-            errs = cross_check(flashbob_attn("cuda"), x)
+            errs = cross_check(flashbob_attn(flashbob_backend), x)
             worst = max(e["kernel"] for e in errs.values())
             rec.set(cross_check={"n": check_n, "rel_err": errs})
             detail = ", ".join(f"{k} {v['kernel']:.1e} (math bf16 {v['math_lowprec']:.1e})" for k, v in errs.items())
@@ -234,7 +249,7 @@ def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: boo
             step = (lambda a=attn: second_order_step(a, x)) if kind == "bob" else (lambda a=attn: first_order_step(a, x))
             try:
                 step()  # warm-up (first call also builds/loads the op)
-                secs, reps, peak, outs = time_cuda(step)
+                secs, reps, peak, outs = time_step(step, device=device)
                 finite = _all_finite(outs)
                 flops = step_flops(kind, n, heads_q=heads_q, head_dim=head_dim)
                 row.update(status="ok", time_s=secs, repeats=reps, peak_bytes=peak, tflops=flops / secs / 1e12,

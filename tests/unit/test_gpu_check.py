@@ -346,14 +346,23 @@ def test_synthetic_trajectory_structure():
         bls.synthetic_trajectory(6, prompt=6, action=4, observation=5, vocab=50)
 
 
-def test_last_stage_step_on_a_tiny_cpu_model(tmp_path, tiny_qwen3_config):
+def test_last_stage_step_on_a_tiny_cpu_model(tmp_path, tiny_qwen3_config, monkeypatch):
+    real_step = bls.last_stage_step
+
+    def step_running_out_of_memory_from_60_tokens(suffix, ttt, hidden, *rest):
+        if hidden.shape[1] >= 60:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return real_step(suffix, ttt, hidden, *rest)
+    monkeypatch.setattr(bls, "last_stage_step", step_running_out_of_memory_from_60_tokens)
     out = tmp_path / "last_stage.json"
-    data = bls.run(out=str(out), contexts=[40], backends=["reference"], repeats=1, budget_s=120, preset="tiny",
-                   num_adaptive=2, device="cpu", dtype="fp32", prompt=6, action=4, observation=5,
+    data = bls.run(out=str(out), contexts=[40, 60, 80], backends=["reference"], repeats=1, budget_s=120,
+                   preset="tiny", num_adaptive=2, device="cpu", dtype="fp32", prompt=6, action=4, observation=5,
                    config=tiny_qwen3_config)
     assert data == json.loads(out.read_text())
     assert data["status"] == "ok" and all(c["ok"] for c in data["checks"]) and data["checks"]
-    (row,) = data["rows"]
+    row, oom, skipped = data["rows"]
+    assert (oom["tokens"], oom["status"]) == (60, "oom") and "out of memory" in oom["error"]
+    assert (skipped["tokens"], skipped["status"]) == (80, "skipped (OOM at T=60)")
     assert row["status"] == "ok" and row["tokens"] == 40 and row["num_events"] == 4
     assert row["num_updates"] == 3 and row["checks_ok"] and math.isfinite(row["loss"]) and row["tokens_per_s"] > 0
     assert "9 adaptive" not in data["config"]["description"] and "2 adaptive layers" in data["config"]["description"]
@@ -380,3 +389,33 @@ def test_last_stage_gradients_reach_only_the_trainable_scope(tiny_qwen3_config):
     bad = {n: ok for n, ok, _ in bls.step_checks({**info, "num_updates": 0}, hidden, suffix, rounds, kinds)}
     assert bad == {"loss finite": True, "input gradient finite and non-zero": False,
                    "prime gradients finite and not all zero": True, "one inner update per observed round": False}
+
+
+def test_flashbob_benchmark_loop_on_cpu(tmp_path):
+    """The whole measuring loop (cross-check first, rows per N and method, JSON) at tiny CPU shapes."""
+    out = tmp_path / "flashbob_cuda.json"
+    data = bfc.run(out=str(out), sizes=[16, 32], budget_s=60, check_n=16, heads_q=4, heads_kv=2, head_dim=8,
+                   device="cpu", flashbob_backend="reference")
+    assert data == json.loads(out.read_text())
+    assert data["status"] == "ok" and [c["ok"] for c in data["checks"]] == [True, True]
+    assert set(data["cross_check"]["rel_err"]) == set(bfc.OUTPUT_NAMES)
+    methods = ["flashbob_bob", "flashbob_fwd_bwd", data["config"]["methods"][2], "math_bob"]
+    assert data["config"]["methods"] == methods and methods[2] in ("flash_attn_fwd_bwd", "sdpa_flash_fwd_bwd")
+    assert [(r["n"], r["method"]) for r in data["rows"]] == [(n, m) for n in (16, 32) for m in methods]
+    for r in data["rows"]:
+        assert r["status"] == "ok" and r["finite"] and r["time_s"] > 0 and r["tflops"] > 0, r
+
+
+def test_flashbob_benchmark_records_oom_and_time_budget(tmp_path, monkeypatch):
+    def out_of_memory(q, k, v):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+    monkeypatch.setattr(bfc, "math_attn", out_of_memory)
+    data = bfc.run(out=str(tmp_path / "fb.json"), sizes=[16, 32, 64], budget_s=1e-3, use_flashbob=False,
+                   heads_q=4, heads_kv=2, head_dim=8, device="cpu")
+    rows = {(r["n"], r["method"]): r["status"] for r in data["rows"]}
+    first = data["config"]["methods"][0]
+    assert data["config"]["methods"][1] == "math_bob"
+    assert rows[(16, "math_bob")] == "oom" and rows[(32, "math_bob")] == rows[(64, "math_bob")] == "skipped (OOM at N=16)"
+    assert rows[(16, first)] == "ok" and rows[(32, first)] == rows[(64, first)] == "skipped (time budget)"
+    assert data["status"] == "ok"  # running out of memory or time is a measurement, not a failure
+    assert any("FlashBoB CUDA op unavailable" in n for n in data["notes"])

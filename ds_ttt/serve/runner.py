@@ -65,14 +65,15 @@ def run_episode(session, task: str, runner: BashToolRunner, *, max_rounds: int =
     """act → execute every tool call → observe, until an action makes no tool call or max_rounds."""
     session.reset(task)
     rounds = []
-    finished = False
+    finished, stop = False, "max_rounds"
     for _ in range(max_rounds):
         message = session.act()
         calls = message.get("tool_calls") or []
         invalid = message.get("invalid_tool_calls") or []
-        if not calls and not invalid:
+        if not calls and not invalid:  # a final answer, unless generation hit max_new_tokens
             rounds.append({"round": session.round, "message": message})
-            finished = True
+            finished = not message.get("truncated")
+            stop = "answer" if finished else "truncated"
             if on_round:
                 on_round(rounds[-1])
             break
@@ -81,7 +82,7 @@ def run_episode(session, task: str, runner: BashToolRunner, *, max_rounds: int =
         rounds.append({"round": session.round, "message": message, "outputs": outputs, "obs_loss": loss})
         if on_round:
             on_round(rounds[-1])
-    return {"task": task, "finished": finished, "num_rounds": len(rounds), "rounds": rounds,
+    return {"task": task, "finished": finished, "stop": stop, "num_rounds": len(rounds), "rounds": rounds,
             "num_tokens": len(session.input_ids)}
 
 

@@ -229,5 +229,5 @@ def test_run_episode_loop_with_a_scripted_session():
     s = Scripted()
     with BashToolRunner(timeout=2) as runner:
         result = run_episode(s, "task", runner, max_rounds=5)
-    assert result["finished"] and result["num_rounds"] == 2
+    assert result["finished"] and result["stop"] == "answer" and result["num_rounds"] == 2
     assert s.seen == [["41", "[error: invalid tool call: bad json]"]]

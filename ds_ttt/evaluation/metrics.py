@@ -22,7 +22,6 @@ Aggregates are token-weighted for NLL/accuracy and round-weighted for exact matc
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -156,6 +155,3 @@ def by_round_index(per_traj: list[list[RoundMetrics]]) -> list[dict]:
             grouped.setdefault(r.round, []).append(r)
     return [{"round": k, "num_trajectories": len(v), **summarize(v)} for k, v in sorted(grouped.items()) if k > 0]
 
-
-def finite_or_none(x):
-    return x if x is None or (isinstance(x, float) and math.isfinite(x)) or not isinstance(x, float) else None

@@ -77,6 +77,7 @@ def write_plots(results: dict, out_dir: str | pathlib.Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out = pathlib.Path(out_dir)
     modes = results["modes"]
@@ -91,11 +92,12 @@ def write_plots(results: dict, out_dir: str | pathlib.Path) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for m in modes:
         axes[0].plot(*series(m, "action_nll"), label=m, **style.get(m, {}))
-        axes[1].plot(*series(m, "obs_nll"), label=f"{m} (before update)", **style.get(m, {}))
+        axes[1].plot(*series(m, "obs_nll"), label=f"{m} (before its update)" if m == "ttt" else m, **style.get(m, {}))
         if m == "ttt":
             axes[1].plot(*series(m, "obs_nll_after"), label="ttt (after update)", linestyle="--", color="tab:orange",
                          marker="^")
     for ax, title in zip(axes, ("action NLL", "observation NLL")):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
         ax.set_ylabel("NLL (nats/token)")
         ax.set_title(title)
@@ -111,6 +113,7 @@ def write_plots(results: dict, out_dir: str | pathlib.Path) -> list[str]:
         axes[0].plot(*series(m, "action_exact"), label=m, **style.get(m, {}))
         axes[1].plot(*series(m, "obs_exact"), label=m, **style.get(m, {}))
     for ax, title in zip(axes, ("action exact match", "observation exact match (with end token)")):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
         ax.set_ylim(-0.05, 1.05)
         ax.set_title(title)

@@ -88,7 +88,6 @@ def run_episode(session, task: str, runner: BashToolRunner, *, max_rounds: int =
 
 def main(argv=None) -> int:
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="export directory")

@@ -42,10 +42,10 @@ def load_backbone(run: RunConfig):
 
 
 @torch.no_grad()
-def load_hf_weights(module: TTTPipelineModule, model_dir: str) -> None:
-    """Copy this stage's tensors from a Hugging Face Qwen3 directory (prime weights stay fresh)."""
+def load_hf_weights(wanted: dict[str, torch.Tensor], model_dir: str) -> None:
+    """Copy one stage's tensors ({HF name: parameter}) from a Hugging Face Qwen3 directory, reading only
+    the shards that hold them (prime weights stay fresh)."""
     model_dir = pathlib.Path(model_dir)
-    wanted = {hf: p for _, _, hf, p in module.local_hf_named_parameters()}
     seen = set()
     from safetensors import safe_open
     for shard, names in checkpoint_shards(model_dir).items():
@@ -160,7 +160,7 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
     torch.manual_seed(run.seed)
     module = TTTPipelineModule(backbone, run.ttt, layout, seed=run.seed)
     if run.model and info is None:
-        load_hf_weights(module, run.model)
+        load_hf_weights({hf: p for _, _, hf, p in module.local_hf_named_parameters()}, run.model)
     params = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds_resolved)
     if resume:

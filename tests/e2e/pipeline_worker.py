@@ -3,8 +3,9 @@ engine, recording the loss and every parameter's update.
 
     torchrun --nproc_per_node 4 tests/e2e/pipeline_worker.py OUT_DIR
 
-Runs two layouts in one launch (4 CPU ranks): "pp4" = 4 stages x 1 dp, ZeRO-0, no clipping; and
-"pp2dp2" = 2 stages x 2 dp, ZeRO-1, gradient clipping at a norm the gradients exceed. The optimizer is
+Runs three layouts in one launch (4 CPU ranks): "pp4" = 4 stages x 1 dp, ZeRO-0, no clipping;
+"pp2dp2" = 2 stages x 2 dp, ZeRO-1, gradient clipping at a norm the gradients exceed; "sft_pp4" = the
+SFT baseline (adaptive_layers=0, no inner loop) through the same pipeline. The optimizer is
 SGD with lr 1 (a client optimizer), so each parameter's update is exactly minus its (clipped,
 data-parallel averaged) gradient. Rank files: OUT_DIR/<layout>/rank<R>.pt = {"loss", "delta": {HF name: tensor}}.
 """
@@ -28,11 +29,11 @@ from ds_ttt.train.run_config import resolve_layout  # noqa: E402
 
 ROUND = [0, 0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 0]
 LAYOUTS = {
-    # name: (stages, zero stage, gradient_clipping, micro, gas)
-    "pp4": (4, 0, 0.0, 2, 2),
-    "pp2dp2": (2, 1, 0.05, 1, 2),
+    # name: (stages, zero stage, gradient_clipping, micro, gas, TTT settings)
+    "pp4": (4, 0, 0.0, 2, 2, dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)),
+    "pp2dp2": (2, 1, 0.05, 1, 2, dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)),
+    "sft_pp4": (4, 1, 0.0, 1, 2, dict(adaptive_layers=0, trainable_scope="suffix")),
 }
-TTT = dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)
 
 
 def backbone():
@@ -40,9 +41,9 @@ def backbone():
                              num_key_value_heads=2, head_dim=16, vocab_size=256)
 
 
-def make_reference() -> TTTQwen3ForCausalLM:
+def make_reference(name: str) -> TTTQwen3ForCausalLM:
     torch.manual_seed(0)
-    model = TTTQwen3ForCausalLM(backbone(), TTTConfig(**TTT))
+    model = TTTQwen3ForCausalLM(backbone(), TTTConfig(**LAYOUTS[name][5]))
     with torch.no_grad():  # non-zero prime down projections: the inner updates change the outer loss
         for layer in model.adaptive_layers:
             layer.prime_mlp.down_proj.weight.normal_(0, 0.05)
@@ -75,8 +76,8 @@ def run_layout(name: str, out: pathlib.Path) -> None:
 
     from ds_ttt.train.pipeline import ANCHOR, TTTPipelineModule
 
-    stages, zero, clip, micro, gas = LAYOUTS[name]
-    ref = make_reference()
+    stages, zero, clip, micro, gas, _ = LAYOUTS[name]
+    ref = make_reference(name)
     layout = resolve_layout(stages, 8, ref.ttt)
     module = TTTPipelineModule(ref.config, ref.ttt, layout, seed=0)
     full = ref.state_dict()

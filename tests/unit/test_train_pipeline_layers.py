@@ -69,14 +69,16 @@ def test_layout_and_specs(tiny_qwen3_config):
     assert resolve_layout(2, 8, TTTConfig(adaptive_layers=0)).spec_parts() == [0, 9, 10]
 
 
-@pytest.mark.parametrize("scope", ["prime", "all"])
-def test_chained_pipe_layers_equal_model(tiny_qwen3_config, scope):
-    model = make_model(tiny_qwen3_config, adaptive_layers=2, trainable_scope=scope)
+@pytest.mark.parametrize("scope,adaptive", [("prime", 2), ("all", 2), ("suffix", 0)])
+def test_chained_pipe_layers_equal_model(tiny_qwen3_config, scope, adaptive):
+    model = make_model(tiny_qwen3_config, adaptive_layers=adaptive, trainable_scope=scope)
     layout = resolve_layout(4, 8, model.ttt)
     layers = build_layers(model, layout)
     anchors = [hasattr(layer, ANCHOR) for layer in layers]
-    # prime scope: stages 0..2 are frozen -> one anchor at the first layer of each; "all": none
-    assert anchors == ([True, False, False, True, False, True, False, False] if scope == "prime" else [False] * 8)
+    # frozen stages get one anchor at their first layer ("all": none; SFT "suffix": stages 0..2 frozen)
+    want = {"prime": [True, False, False, True, False, True, False, False], "all": [False] * 8,
+            "suffix": [True, False, False, False, True, False, False, True, False, False]}[scope]
+    assert anchors == want
     ids, kinds, rounds = collate([traj(2, seed=1), traj(3, seed=2)], bucket=1, capacity=10_000)
     ref = model.trajectory_loss(ids, kinds, rounds)
     ref.loss.backward()
@@ -155,6 +157,33 @@ def test_load_model_from_checkpoint_reassembles(tiny_qwen3_config, tmp_path):
     ids = torch.randint(0, 256, (1, 20))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids), model(ids))
+
+
+def test_load_hf_weights_per_stage(tiny_qwen3_config, tmp_path):
+    """--model: each stage reads its own tensors from a Hugging Face directory; prime weights stay fresh."""
+    from transformers import Qwen3ForCausalLM
+
+    from ds_ttt.model.hf_adapter import load_hf_qwen3
+    from ds_ttt.train.engine import load_hf_weights
+
+    torch.manual_seed(1)
+    Qwen3ForCausalLM(tiny_qwen3_config).save_pretrained(tmp_path / "hf")
+    ref = load_hf_qwen3(tmp_path / "hf", TTTConfig(adaptive_layers=2))
+    layout = resolve_layout(4, 8, ref.ttt)
+    torch.manual_seed(2)
+    layers = [spec.build() for spec in build_specs(ref.config, ref.ttt, layout)]
+    for stage in range(4):
+        parts = layout.spec_parts()
+        wanted = {layer_name_map(layout, i)(n): p for i in range(parts[stage], parts[stage + 1])
+                  for n, p in layers[i].named_parameters() if n != ANCHOR}
+        load_hf_weights(wanted, tmp_path / "hf")
+    full = ref.state_dict()
+    for i, layer in enumerate(layers):
+        for n, p in layer.named_parameters():
+            hf = layer_name_map(layout, i)(n)
+            if n != ANCHOR and ".prime_" not in hf:
+                torch.testing.assert_close(p, full[hf], rtol=0, atol=0)
+    assert float(layers[-1].layers[0].prime_mlp.down_proj.weight.detach().abs().sum()) == 0.0
 
 
 def test_resolve_checkpoint_errors(tmp_path):

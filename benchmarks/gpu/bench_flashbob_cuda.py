@@ -188,7 +188,7 @@ def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: boo
     """
     t_start = time.perf_counter()
     cuda = torch.device(device).type == "cuda"
-    has_flash_attn = importlib.util.find_spec("flash_attn") is not None
+    has_flash_attn = cuda and importlib.util.find_spec("flash_attn") is not None  # flash-attn is CUDA-only
     methods = []
     if use_flashbob:
         methods += [("flashbob_bob", "bob", flashbob_attn(flashbob_backend)),

@@ -62,6 +62,8 @@ MINIMUMS = {"install": 20.0, "build": 60.0, "tests": 30.0, "flashbob": 45.0, "la
 SUMMARY_RESERVE_S = 10.0
 CHILD_STARTUP_S = 20.0  # imports (torch, transformers) and model build before a benchmark's own clock
 NEEDED = ("torch", "deepspeed", "transformers", "safetensors", "ninja", "numpy", "pytest")
+IMPORT_CHECK = ("import torch, deepspeed, transformers, safetensors, ninja, numpy, pytest; "
+                "print('imports ok: torch', torch.__version__, 'deepspeed', deepspeed.__version__)")
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu"
 DEFAULT_WHEELS = REPO / ".whl"
 QUICK = {"sizes": "1024,4096", "contexts": "2048", "repeats": "1"}
@@ -289,6 +291,7 @@ def phase_install(ctx: "Context", timeout: float) -> None:
     deadline = t0 + timeout
     rec = ctx.setup
     reqs = read_requirements(REPO / "requirements" / "gpu.txt")
+
     def left(cap: float = 120.0) -> float:
         return max(10.0, min(cap, deadline - time.monotonic()))
 
@@ -313,7 +316,7 @@ def phase_install(ctx: "Context", timeout: float) -> None:
         if r["rc"] != 0:
             install["error"] = ("pip timed out" if r["timed_out"] else "pip failed") + f": {last_lines(r['tail'], 5)}"
     # flash-attn: only a ready wheel, never a source build (that takes far longer than the window).
-    after = python_json(ctx.python, HERE / "collect_env.py", [], timeout=left()) or {}
+    after = python_json(ctx.python, HERE / "collect_env.py", [], timeout=left()) or {} if missing else before
     if not (after.get("packages") or {}).get("flash-attn"):
         wheels = sorted(Path(ctx.args.wheels).glob("flash_attn-*.whl")) if ctx.args.wheels else []
         if wheels:
@@ -325,7 +328,8 @@ def phase_install(ctx: "Context", timeout: float) -> None:
                             extra=["--only-binary=:all:", "--no-deps"])
         else:
             r = None
-        after = python_json(ctx.python, HERE / "collect_env.py", [], timeout=left()) or {}
+        if r is not None:
+            after = python_json(ctx.python, HERE / "collect_env.py", [], timeout=left()) or {}
         fa = (after.get("packages") or {}).get("flash-attn")
         install["flash_attn"] = fa or "not installed"
         if not fa:
@@ -341,11 +345,18 @@ def phase_install(ctx: "Context", timeout: float) -> None:
     else:
         install["flash_attn"] = after["packages"]["flash-attn"]
     still = missing_requirements(after, reqs)
+    ctx.env_info = after
+    if still:
+        detail = f"missing: {', '.join(still)}; " + install.get("error", "")[-800:]
+    else:  # installed is not enough: the modules must import together (e.g. deepspeed with this pydantic)
+        r = run_child([ctx.python, "-c", IMPORT_CHECK], timeout=left(), log=ctx.log, env=ctx.child_env(),
+                      prefix="[import] ")
+        install["import_check"] = {k: r[k] for k in ("rc", "timed_out", "seconds")}
+        still = [] if r["rc"] == 0 else ["(import failed)"]
+        detail = "all present and importable" if r["rc"] == 0 else f"import failed: {last_lines(r['tail'], 3)}"
     install.update(seconds=round(time.monotonic() - t0, 2), still_missing=still)
     rec.set(install=install)
-    ctx.env_info = after
-    rec.check("install: the GPU stack is importable (" + ", ".join(NEEDED) + ")", not still,
-              "all present" if not still else f"missing: {', '.join(still)}; " + install.get("error", "")[-800:])
+    rec.check("install: the GPU stack is installed and imports (" + ", ".join(NEEDED) + ")", not still, detail)
 
 
 def phase_build(ctx: "Context", timeout: float) -> bool:

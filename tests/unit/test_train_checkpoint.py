@@ -113,3 +113,23 @@ def test_collate_pads_right_with_kind_minus_one():
     assert kinds.tolist() == [[0, 1, 2, -1], [0, -1, -1, -1]]
     assert rounds.tolist() == [[0, 1, 1, 1], [0, 0, 0, 0]]
     assert collate([([1] * 10, [0] * 10, [0] * 10)], bucket=8, capacity=12)[0].shape == (1, 12)  # capped
+
+
+def test_metrics_logger_jsonl_resume_truncation_and_offline_wandb(tmp_path, monkeypatch):
+    from ds_ttt.train.logging import MetricsLogger
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rec = {"loss": 1.0, "action_loss": 1.0, "tokens_per_s": 10.0, "lr": 0.0}
+    log = MetricsLogger(tmp_path, enabled=True, total=3, initial=0, resume_step=None, wandb_config={"a": 1})
+    for step in (1, 2, 3):
+        log.log({**rec, "step": step})
+    log.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb must run offline by default"
+    # a resume from step 1 drops the lines of steps it will redo
+    MetricsLogger(tmp_path, enabled=True, total=3, initial=1, resume_step=1).close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    # other ranks write nothing
+    MetricsLogger(tmp_path / "r1", enabled=False, total=3, initial=0, resume_step=None).log({**rec, "step": 1})
+    assert not (tmp_path / "r1").exists()

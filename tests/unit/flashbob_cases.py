@@ -50,7 +50,10 @@ def second_order(inputs, *, backend, dtype, device="cpu", pattern=(1, 1, 1), **k
     """The eight outputs (float64 on CPU) of forward, first grad and second grad."""
     q, k, v, do = (inputs[n].to(device=device, dtype=dtype).requires_grad_(True)
                    for n in ("q", "k", "v", "do"))
-    o = attention(q, k, v, backend=backend, **kw)
+    if backend == "cuda_emu":  # the CUDA kernels run by the CPU emulator (not a public backend)
+        o = _emulated_cuda_attention(q, k, v, **kw)
+    else:
+        o = attention(q, k, v, backend=backend, **kw)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
     phi = sum((g * inputs[n].to(device=device, dtype=dtype)).sum()
               for g, n, used in zip((dq, dk, dv), ("uq", "uk", "uv"), pattern) if used)
@@ -58,6 +61,17 @@ def second_order(inputs, *, backend, dtype, device="cpu", pattern=(1, 1, 1), **k
     second = [torch.zeros_like(t) if s is None else s for s, t in zip(second, (q, k, v, do))]
     return {n: t.detach().to("cpu", torch.float64)
             for n, t in zip(NAMES, (o, dq, dk, dv, *second))}
+
+
+def _emulated_cuda_attention(q, k, v, *, causal=True, scale=None, window=0, q_offset=None,
+                             k_offset=0):
+    from ds_ttt.ops.flashbob.function import AttnFunc
+    from ds_ttt.ops.flashbob.reference import default_q_offset
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q_offset is None:
+        q_offset = default_q_offset(q.shape[2], k.shape[2], k_offset)
+    return AttnFunc.apply(q, k, v, "cuda_emu", causal, scale, window, q_offset, k_offset)
 
 
 def max_err(a, b):

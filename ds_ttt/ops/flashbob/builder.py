@@ -2,6 +2,8 @@
 
     FlashBoBCPUBuilder(OpBuilder)       csrc/flashbob_cpu.cpp        NAME "ds_ttt_flashbob_cpu"
     FlashBoBCUDABuilder(CUDAOpBuilder)  csrc/flashbob_cuda.cpp + .cu NAME "ds_ttt_flashbob_cuda"
+    FlashBoBCUDAEmuBuilder(OpBuilder)   csrc/emu/ (the .cu on CPU)   NAME "ds_ttt_flashbob_cuda_emu"
+                                        test-only: runs the CUDA kernels' logic without a GPU
 
 Both return absolute source/include paths (DeepSpeed resolves relative ones inside its own
 package). `load_cpu_op()` / `load_cuda_op()` build on first call and cache the module; the build
@@ -24,8 +26,8 @@ from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 CSRC = Path(__file__).resolve().parent / "csrc"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-__all__ = ["FlashBoBCPUBuilder", "FlashBoBCUDABuilder", "load_cpu_op", "load_cuda_op",
-           "default_extensions_dir"]
+__all__ = ["FlashBoBCPUBuilder", "FlashBoBCUDABuilder", "FlashBoBCUDAEmuBuilder", "load_cpu_op",
+           "load_cuda_op", "load_cuda_emu_op", "default_extensions_dir"]
 
 
 def default_extensions_dir() -> Path:
@@ -128,6 +130,28 @@ class FlashBoBCUDABuilder(CUDAOpBuilder):
         return not reason
 
 
+class FlashBoBCUDAEmuBuilder(OpBuilder):
+    """Test-only: the CUDA kernel source compiled for the CPU through csrc/emu/cuda_emu.h."""
+
+    BUILD_VAR = "DS_BUILD_DS_TTT_FLASHBOB_CUDA_EMU"
+    NAME = "ds_ttt_flashbob_cuda_emu"
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self):
+        return f"ds_ttt.ops.flashbob.{self.NAME}_op"
+
+    def sources(self):
+        return [str(CSRC / "emu" / "flashbob_cuda_emu.cpp")]
+
+    def include_paths(self):
+        return [str(CSRC), str(CSRC / "emu")]
+
+    def cxx_args(self):
+        return ["-O1", "-Wno-reorder"]
+
+
 _OPS: dict[str, object] = {}
 
 
@@ -140,6 +164,14 @@ def load_cpu_op():
             raise RuntimeError(f"flashbob cpu backend unavailable: {builder.incompatible_reason}")
         _OPS["cpu"] = builder.load(verbose=False)
     return _OPS["cpu"]
+
+
+def load_cuda_emu_op():
+    """Build and return the CPU-emulated CUDA kernels (tests only; slow, one thread per lane)."""
+    if "cuda_emu" not in _OPS:
+        _ensure_extensions_dir()
+        _OPS["cuda_emu"] = FlashBoBCUDAEmuBuilder().load(verbose=False)
+    return _OPS["cuda_emu"]
 
 
 def load_cuda_op():

@@ -18,13 +18,14 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .builder import load_cpu_op, load_cuda_op
+from .builder import load_cpu_op, load_cuda_emu_op, load_cuda_op
 
 __all__ = ["AttnFunc", "AttnBwdFunc", "AttnBwdBwdFunc"]
 
 
 def _op(backend: str):
-    return load_cpu_op() if backend == "cpu" else load_cuda_op()
+    # "cuda_emu" (tests only, never chosen by `attention`): the CUDA kernels emulated on CPU.
+    return {"cpu": load_cpu_op, "cuda": load_cuda_op, "cuda_emu": load_cuda_emu_op}[backend]()
 
 
 def _attn_fwd(backend, q, k, v, causal, scale, window, q_offset, k_offset):

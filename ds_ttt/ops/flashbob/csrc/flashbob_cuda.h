@@ -6,7 +6,9 @@
 #pragma once
 
 #include <cstdint>
+#ifndef FLASHBOB_CUDA_EMU
 #include <cuda_runtime.h>
+#endif
 
 #ifdef __CUDACC__
 #define FB_HD __host__ __device__ __forceinline__

@@ -13,9 +13,17 @@
 // Derived tiles (P, P∘F, P∘P̄°, dS, S̄, P∘h) go through shared memory in fp32. Q̄ uses the
 // no-reuse form τ(Ω − α∘R − E°∘B) with R = dS·K in fp32 (the saved dQ is only bf16).
 // CUDA cores only (no tensor cores yet): correct first, fast later (see docs/flashbob.md).
+//
+// The same source also compiles as plain C++ under FLASHBOB_CUDA_EMU (csrc/emu/cuda_emu.h: one
+// host thread per CUDA thread, std::barrier for __syncthreads), so the kernels' logic is tested
+// on CPU by tests/unit/test_flashbob_cuda_emu.py before any GPU session.
+#ifndef FLASHBOB_CUDA_EMU
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#define FB_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#define FB_LAUNCH(kernel, grid, smem, stream, ...) kernel<<<grid, NT, smem, stream>>>(__VA_ARGS__)
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -142,7 +150,7 @@ __global__ void __launch_bounds__(NT) fwd_kernel(const T* __restrict__ q, const 
                                                  const T* __restrict__ v, T* __restrict__ o,
                                                  float* __restrict__ stats, Geo g) {
   constexpr int L = Cfg<D>::LDS, E = Cfg<D>::E;
-  extern __shared__ __align__(16) unsigned char smem[];
+  FB_DYNAMIC_SMEM(smem);
   T* Qs = reinterpret_cast<T*>(smem);
   T* Ks = Qs + BM * L;
   T* Vs = Ks + BN * L;
@@ -255,7 +263,7 @@ __global__ void __launch_bounds__(NT) bwd_row_kernel(const T* __restrict__ q, co
                                                      const T* __restrict__ dout, T* __restrict__ dq,
                                                      float* __restrict__ delta, Geo g) {
   constexpr int L = Cfg<D>::LDS, E = Cfg<D>::E;
-  extern __shared__ __align__(16) unsigned char smem[];
+  FB_DYNAMIC_SMEM(smem);
   T* Qs = reinterpret_cast<T*>(smem);
   T* dOs = Qs + BM * L;
   T* Ks = dOs + BM * L;
@@ -324,7 +332,7 @@ __global__ void __launch_bounds__(NT) bwd_col_kernel(const T* __restrict__ q, co
                                                      const float* __restrict__ delta,
                                                      T* __restrict__ dk, T* __restrict__ dv, Geo g) {
   constexpr int L = Cfg<D>::LDS, E = Cfg<D>::E;
-  extern __shared__ __align__(16) unsigned char smem[];
+  FB_DYNAMIC_SMEM(smem);
   T* Ks = reinterpret_cast<T*>(smem);
   T* Vs = Ks + BN * L;
   T* Qs = Vs + BN * L;
@@ -423,7 +431,7 @@ __global__ void __launch_bounds__(NT) bob_row_kernel(
     T* __restrict__ qbar, T* __restrict__ dobar, float* __restrict__ delta,
     float* __restrict__ alpha, float* __restrict__ e0, Geo g) {
   constexpr int L = Cfg<D>::LDS, E = Cfg<D>::E;
-  extern __shared__ __align__(16) unsigned char smem[];
+  FB_DYNAMIC_SMEM(smem);
   T* Qs = reinterpret_cast<T*>(smem);
   T* dOs = Qs + BM * L;
   T* UQs = dOs + BM * L;
@@ -526,7 +534,7 @@ __global__ void __launch_bounds__(NT) bob_col_kernel(
     const float* __restrict__ alpha, const float* __restrict__ e0, T* __restrict__ kbar,
     T* __restrict__ vbar, Geo g) {
   constexpr int L = Cfg<D>::LDS, E = Cfg<D>::E;
-  extern __shared__ __align__(16) unsigned char smem[];
+  FB_DYNAMIC_SMEM(smem);
   T* Ks = reinterpret_cast<T*>(smem);
   T* Vs = Ks + BN * L;
   T* UKs = Vs + BN * L;
@@ -637,7 +645,7 @@ cudaError_t fwd_t(const void* q, const void* k, const void* v, void* o, float* s
   auto kern = fwd_kernel<T, D>;
   cudaError_t err = allow_smem(kern, smem);
   if (err != cudaSuccess) return err;
-  kern<<<grid, NT, smem, st>>>((const T*)q, (const T*)k, (const T*)v, (T*)o, stats, g);
+  FB_LAUNCH(kern, grid, smem, st, (const T*)q, (const T*)k, (const T*)v, (T*)o, stats, g);
   return cudaGetLastError();
 }
 
@@ -650,14 +658,14 @@ cudaError_t bwd_t(const void* q, const void* k, const void* v, const void* o, co
   auto kr = bwd_row_kernel<T, D>;
   cudaError_t err = allow_smem(kr, smem_r);
   if (err != cudaSuccess) return err;
-  kr<<<grid_r, NT, smem_r, st>>>((const T*)q, (const T*)k, (const T*)v, (const T*)o, stats,
+  FB_LAUNCH(kr, grid_r, smem_r, st, (const T*)q, (const T*)k, (const T*)v, (const T*)o, stats,
                                  (const T*)dout, (T*)dq, delta, g);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   const dim3 grid_c((unsigned)((g.Nk + BN - 1) / BN), (unsigned)(g.B * g.Hkv));
   const size_t smem_c = tiles_bytes<D, T>(4, 2, 3);
   auto kc = bwd_col_kernel<T, D>;
   if ((err = allow_smem(kc, smem_c)) != cudaSuccess) return err;
-  kc<<<grid_c, NT, smem_c, st>>>((const T*)q, (const T*)k, (const T*)v, stats, (const T*)dout,
+  FB_LAUNCH(kc, grid_c, smem_c, st, (const T*)q, (const T*)k, (const T*)v, stats, (const T*)dout,
                                  delta, (T*)dk, (T*)dv, g);
   return cudaGetLastError();
 }
@@ -672,7 +680,7 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
   auto kr = bob_row_kernel<T, D>;
   cudaError_t err = allow_smem(kr, smem_r);
   if (err != cudaSuccess) return err;
-  kr<<<grid_r, NT, smem_r, st>>>((const T*)q, (const T*)k, (const T*)v, (const T*)o, stats,
+  FB_LAUNCH(kr, grid_r, smem_r, st, (const T*)q, (const T*)k, (const T*)v, (const T*)o, stats,
                                  (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv,
                                  (T*)qbar, (T*)dobar, delta, alpha, e0, g);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -680,7 +688,7 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
   const size_t smem_c = tiles_bytes<D, T>(7, 3, 5);
   auto kc = bob_col_kernel<T, D>;
   if ((err = allow_smem(kc, smem_c)) != cudaSuccess) return err;
-  kc<<<grid_c, NT, smem_c, st>>>((const T*)q, (const T*)k, (const T*)v, stats, (const T*)dout,
+  FB_LAUNCH(kc, grid_c, smem_c, st, (const T*)q, (const T*)k, (const T*)v, stats, (const T*)dout,
                                  (const T*)uq, (const T*)uk, (const T*)uv, delta, alpha, e0,
                                  (T*)kbar, (T*)vbar, g);
   return cudaGetLastError();

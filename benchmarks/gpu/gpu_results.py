@@ -204,17 +204,29 @@ def render_summary(results_dir: str | os.PathLike) -> str:
 
     if fb and fb.get("rows"):
         cfg = fb.get("config", {})
-        lines += ["", "## FlashBoB on CUDA", "",
+        where = "" if cfg.get("device", "cuda") == "cuda" else f" (device {cfg.get('device')}: not a GPU run)"
+        lines += ["", "## FlashBoB on CUDA" + where, "",
                   f"bf16, causal, B={cfg.get('batch', '?')}, H={cfg.get('heads_q', '?')} query / "
                   f"{cfg.get('heads_kv', '?')} key-value heads, D={cfg.get('head_dim', '?')}. "
                   "Time: median CUDA-event time of one step. Memory: peak allocated during the step "
                   "above what the inputs hold. TFLOP/s from the FLOP model in the JSON "
-                  f"({fb.get('flop_model', '')}).", ""]
-        rows = []
-        for r in fb["rows"]:
-            rows.append([str(r.get("n")), r.get("method", "?"), r.get("status", "?"), _ms(r.get("time_s")),
-                         _gib(r.get("peak_bytes")), _fmt(r.get("tflops"))])
-        lines += _table(["N", "method", "status", "ms", "peak GiB", "TFLOP/s"], rows)
+                  f"({fb.get('flop_model', '')})."]
+        methods = list(dict.fromkeys(r.get("method", "?") for r in fb["rows"]))
+        by_key = {(r.get("n"), r.get("method")): r for r in fb["rows"]}
+        sizes = list(dict.fromkeys(r.get("n") for r in fb["rows"]))
+
+        def cell(r, what):
+            if r is None:
+                return "–"
+            if r.get("status") != "ok":
+                return {"oom": "OOM"}.get(r.get("status"), r.get("status", "?")).replace("skipped ", "")
+            if what == "time":
+                return f"{_ms(r.get('time_s'))} ({_fmt(r.get('tflops'))})"
+            return _gib(r.get("peak_bytes"))
+        lines += ["", "Step time in ms (TFLOP/s):", ""]
+        lines += _table(["N", *methods], [[str(n), *(cell(by_key.get((n, m)), "time") for m in methods)] for n in sizes])
+        lines += ["", "Peak memory in GiB above the inputs:", ""]
+        lines += _table(["N", *methods], [[str(n), *(cell(by_key.get((n, m)), "mem") for m in methods)] for n in sizes])
     if ls and ls.get("rows"):
         cfg = ls.get("config", {})
         lines += ["", "## Last pipeline stage: one meta-training step", "",

@@ -284,8 +284,9 @@ def test_summary_renders_every_phase(tmp_path):
     assert "NVIDIA H200" in text and "2.11.0+cu130" in text and "abc123 (dirty)" in text
     assert "flash-attn | not installed" in text
     assert "**Verdict: FAIL" in text and "| setup | tests/ops: CUDA correctness tests pass | **FAIL** | 1 failed |" in text
-    assert "| 1024 | flashbob_bob | ok | 1.20 | 3.00 | 155 |" in text
-    assert "| 32768 | math_bob | oom |" in text
+    assert "| N | flashbob_bob | math_bob |" in text  # methods side by side, one row per N
+    assert "| 1024 | 1.20 (155) | – |" in text and "| 32768 | – | OOM |" in text  # time table
+    assert "| 1024 | 3.00 | – |" in text  # memory table
     assert "| 2048 | cuda | ok | 3 | 1.25 | 1.64e+03 | 40.00 | 11.9 |" in text
     assert "| last-stage meta-training step | interrupted |" in text
     assert "- flash-attn not installed" in text

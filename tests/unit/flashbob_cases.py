@@ -25,6 +25,7 @@ CASES = [
     ("mqa_window", 1, 4, 1, 90, 90, 8, dict(causal=True, window=33)),
     ("rect_offsets", 1, 2, 1, 40, 140, 16, dict(causal=True, q_offset=100, k_offset=5)),
     ("rect_right_aligned", 1, 2, 2, 30, 100, 16, dict(causal=True, k_offset=7)),
+    ("more_queries_than_keys", 1, 2, 1, 90, 40, 16, dict(causal=True)),  # q_offset < 0
     ("masked_rows", 1, 2, 2, 50, 60, 16, dict(causal=True, q_offset=0, k_offset=20)),
     ("masked_rows_window", 1, 2, 1, 70, 70, 16, dict(causal=True, window=5, q_offset=0, k_offset=30)),
     ("batch", 3, 2, 1, 65, 65, 16, dict(causal=True)),

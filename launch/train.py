@@ -58,7 +58,12 @@ def main(argv=None) -> int:
     if args.resume:  # resume continues the checkpoint's run (its config, data and RUN_DIR) unless overridden
         from ds_ttt.train.checkpoint import RunInfo, resolve_checkpoint
         base = RunInfo.read(resolve_checkpoint(args.resume)).run
-    run = load_run_config(args.run_config, overrides, parse_ttt_overrides(args.ttt), base=base)
+    try:
+        run = load_run_config(args.run_config, overrides, parse_ttt_overrides(args.ttt), base=base)
+    except ValueError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"launch/train.py: error: {e}", file=sys.stderr)
+        return 2
     with open(args.deepspeed_config) as f:
         ds = json.load(f)
     if not torch.cuda.is_available():  # no /dev/shm all-reduce buffers (they only serve inference)
@@ -67,6 +72,10 @@ def main(argv=None) -> int:
     from ds_ttt.train.engine import train
     try:
         train(run, ds, resume=args.resume, start_stage_from=args.start_stage_from)
+    except ValueError as e:  # configuration errors: one clear line (they name the key and the fix)
+        if torch.distributed.get_rank() == 0:
+            print(f"launch/train.py: error: {e}", file=sys.stderr)
+        return 2
     finally:
         torch.distributed.destroy_process_group()
     return 0

@@ -187,7 +187,7 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
     data_iter = batches.iterate(stage_step) if loads_data else None
     target = run.stop_at_step or plan.planned_steps
     logger = MetricsLogger(run_dir, enabled=rank == 0, total=plan.planned_steps, initial=stage_step,
-                           resume_step=engine.global_steps if resume else None,
+                           resume_step=engine.global_steps,  # drops leftover lines of steps this launch redoes
                            wandb_config=resolved if run.wandb else None, wandb_project=run.wandb_project)
     logger.message(f"[ds_ttt] {layout.num_stages} stages x {dp} dp, spec parts {layout.spec_parts()}, "
                    f"plan {plan.planned_steps} steps (warmup {plan.warmup_steps}), {num_train} train "

@@ -220,3 +220,15 @@ def test_stage_overlap_is_rejected():
 def test_layout_copy_is_deterministic():
     a = resolve_layout(4, 36, TTTConfig())
     assert a == copy.deepcopy(a)
+
+
+def test_launch_reports_config_errors_in_one_line(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_train", ROOT / "launch" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--deepspeed_config", str(ROOT / "ds_configs/cpu_tiny.json"), "--data", "d", "--output", "o",
+                   "--ttt", "trainable_scope=everything"])
+    assert rc == 2
+    assert "ttt.trainable_scope must be one of" in capsys.readouterr().err

@@ -61,6 +61,10 @@ def _worker(spec: dict) -> dict:
         load_cpu_op()
     base_mb = _rss_mb()
 
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     def rand(*shape, grad=False):
         return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
 
@@ -91,26 +95,29 @@ def _worker(spec: dict) -> dict:
             o = fwd()
             dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
             phi = (dq * uq).sum() + (dk * uk).sum() + (dv * uv).sum()
-            torch.autograd.grad(phi, (q, k, v))
+            sync()
+            t0 = time.perf_counter()
+            torch.autograd.grad(phi, (q, k, v))  # the backward-over-backward part alone
+            sync()
+            return time.perf_counter() - t0
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    times = []
+    times, bob_times = [], []
     try:
         for r in range(spec["warmup"] + spec["repeats"]):
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             sync()
             t0 = time.perf_counter()
-            step()
+            t_bob = step()
             sync()
             if r >= spec["warmup"]:
                 times.append(time.perf_counter() - t0)
+                if t_bob is not None:
+                    bob_times.append(t_bob)
     except (RuntimeError, MemoryError) as e:  # allocation failure under the memory limit
         return dict(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
     out = dict(ok=True, times_s=times, median_s=statistics.median(times),
+               bob_median_s=statistics.median(bob_times) if bob_times else None,
                base_rss_mb=base_mb, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out["peak_increase_mb"] = out["peak_rss_mb"] - base_mb
     if device == "cuda":
@@ -169,10 +176,16 @@ def main():
     ap.add_argument("--time-budget-s", type=float, default=3600.0)
     ap.add_argument("--impls", default=None, help="default: cpu,math (cpu) / cuda,flash_attn")
     ap.add_argument("--out", default=None, help="output stem (default results/flashbob_<device>)")
+    ap.add_argument("--render", default=None, help="only rewrite the .md next to this .json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))), flush=True)
+        return
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        impls = list(dict.fromkeys(r["impl"] for r in data["rows"]))
+        Path(args.render).with_suffix(".md").write_text(_markdown(data["meta"], data["rows"], impls))
         return
 
     import torch
@@ -241,9 +254,10 @@ def _markdown(meta, rows, impls) -> str:
              "Step = forward + first grad (create_graph) + grad of Σ<U,dX> (flash_attn: fwd+bwd). "
              "Memory: peak RSS of the case's own process (increase over post-import RSS in "
              "parentheses)" + (" / CUDA max allocated" if meta["device"] == "cuda" else "") + ".", ""]
+    extra = " BoB alone (s) | BoB / flash_attn fwd+bwd |" if meta["device"] == "cuda" else ""
     hdr = "| Hq/Hkv | N | " + " | ".join(f"{i} time (s) | {i} peak MB | {i} GFLOP/s"
-                                         for i in impls) + " | speedup | memory ratio |"
-    lines += [hdr, "|" + "---|" * (2 + 3 * len(impls) + 2)]
+                                         for i in impls) + " |" + extra + " speedup | memory ratio |"
+    lines += [hdr, "|" + "---|" * (2 + 3 * len(impls) + 2 + (2 if extra else 0))]
     keyed = {(r["impl"], r["Hq"], r["Hkv"], r["N"]): r for r in rows}
     for Hq, Hkv, N in sorted({(r["Hq"], r["Hkv"], r["N"]) for r in rows}, key=lambda x: (-x[1], x[2])):
         cells = [f"{Hq}/{Hkv}", str(N)]
@@ -259,6 +273,12 @@ def _markdown(meta, rows, impls) -> str:
                 why = r.get("skipped") or r.get("error", "not run")
                 cells += [f"— ({why})", "—", "—"]
         a, b = impls[0], impls[1] if len(impls) > 1 else None
+        if meta["device"] == "cuda" and a in got:
+            cells.append(f"{got[a]['bob_median_s']:.4f}" if got[a].get("bob_median_s") else "—")
+            cells.append(f"{got[a]['bob_median_s'] / got[b]['median_s']:.2f}x"
+                         if b in got and got[a].get("bob_median_s") else "—")
+        elif meta["device"] == "cuda":
+            cells += ["—", "—"]
         if b and a in got and b in got:
             ma, mb = got[a].get(mem_key, 0), got[b].get(mem_key, 0)
             if meta["device"] == "cpu":

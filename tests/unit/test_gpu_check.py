@@ -420,3 +420,22 @@ def test_flashbob_benchmark_records_oom_and_time_budget(tmp_path, monkeypatch):
     assert rows[(16, first)] == "ok" and rows[(32, first)] == rows[(64, first)] == "skipped (time budget)"
     assert data["status"] == "ok"  # running out of memory or time is a measurement, not a failure
     assert any("FlashBoB CUDA op unavailable" in n for n in data["notes"])
+
+
+def test_last_stage_of_qwen3_8b_shape_builds_on_the_meta_device():
+    """The GPU run's model, built without memory: 9 adaptive layers 27..35 of Qwen3-8B + norm + LM head."""
+    from ds_ttt.model.presets import qwen3_8b_config
+
+    cfg = qwen3_8b_config()
+    suffix = bls.build_last_stage(cfg, num_adaptive=9, device="meta", dtype=torch.bfloat16)
+    assert [layer.layer_idx for layer in suffix.layers] == list(range(27, 36))
+    assert all(layer.is_adaptive for layer in suffix.layers)
+    assert tuple(suffix.lm_head.weight.shape) == (151936, 4096) and suffix.lm_head.weight.dtype == torch.bfloat16
+    attn = suffix.layers[0].self_attn
+    assert (attn.q_proj.out_features, attn.k_proj.out_features, attn.head_dim) == (32 * 128, 8 * 128, 128)
+    prime = suffix.layers[0].prime_mlp
+    assert tuple(prime.gate_proj.weight.shape) == (12288, 4096) and tuple(prime.down_proj.weight.shape) == (4096, 12288)
+    trainable = sum(p.numel() for p in bls.trainable_parameters(suffix))
+    assert trainable == 9 * (3 * 4096 * 12288 + 4096)  # prime MLPs + prime norms
+    total = sum(p.numel() for layer in suffix.layers for p in layer.parameters()) + suffix.lm_head.weight.numel()
+    assert 3.7e9 < total + 4096 < 3.8e9  # ~7.4 GB of bf16 weights on the GPU

@@ -109,22 +109,34 @@ def test_load_export_rejects_a_tampered_prime_file(tmp_path, tiny_qwen3_config):
         load_export(tmp_path)
 
 
-def test_export_cli_from_a_training_checkpoint(tmp_path, tiny_qwen3_config, monkeypatch):
-    """The CLI path: checkpoint -> (trainer's loader, faked here) -> export with provenance + tokenizer."""
+def test_export_from_a_training_checkpoint(tmp_path, tiny_qwen3_config, monkeypatch):
+    """checkpoint -> (the trainer's loader, its weights faked here; its RunInfo real) -> export with
+    provenance (weights-only checkpoint hash), the trainer's data_ids.json and the tokenizer."""
+    from ds_ttt.train.checkpoint import RunInfo
+
     model = trained_like_model(tiny_qwen3_config, context_policy="current_round")
-    ckpt = tmp_path / "run"
-    ckpt.mkdir()
-    (ckpt / "weights.bin").write_bytes(b"fake checkpoint bytes")
-
-    class RunInfo:
-        step, manifest_path, manifest_sha256 = 12, None, "ab" * 32
-
-    monkeypatch.setattr(export_mod, "load_training_checkpoint", lambda path, device="cpu": (model, RunInfo()))
-    summary = export_mod.export_checkpoint(ckpt, tmp_path / "export", max_shard_size="1MB")
+    ckpt = tmp_path / "run" / "step_00000012"
+    ckpt.mkdir(parents=True)
+    (ckpt / "layer_00-model_states.pt").write_bytes(b"weights")
+    (ckpt / "run_config.json").write_text("{}")
+    (ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"optimizer")
+    stages = {"stages": [{"data_stage": 0, "manifest": "m", "sha256": "ab" * 32, "train": ["t1"], "test": ["t2"]}]}
+    (ckpt / "data_ids.json").write_text(json.dumps(stages))
+    info = RunInfo(checkpoint=ckpt, step=12, backbone={}, ttt=model.ttt.to_dict(), run={}, deepspeed={}, plan={},
+                   manifest_path=str(tmp_path / "nodata" / "manifest.json"), manifest_sha256="ab" * 32,
+                   model_source={"preset": "tiny"}, layout={})
+    monkeypatch.setattr(export_mod, "load_training_checkpoint", lambda path, device="cpu": (model, info))
+    summary = export_mod.export_checkpoint(tmp_path / "run", tmp_path / "export", max_shard_size="1MB")
     meta = json.loads((tmp_path / "export" / "ttt_config.json").read_text())
     prov = meta["provenance"]
     assert prov["step"] == 12 and prov["manifest_sha256"] == "ab" * 32 and prov["source_kind"] == "checkpoint"
-    assert prov["sha256"] == export_mod.tree_sha256(ckpt)
+    assert prov["resolved"] == str(ckpt) and prov["model_source"] == {"preset": "tiny"}
+    assert prov["sha256"] == export_mod.checkpoint_sha256(ckpt)
+    (ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"other optimizer state")
+    assert export_mod.checkpoint_sha256(ckpt) == prov["sha256"]  # optimizer states are not the model
+    (ckpt / "layer_00-model_states.pt").write_bytes(b"other weights")
+    assert export_mod.checkpoint_sha256(ckpt) != prov["sha256"]
+    assert json.loads((tmp_path / "export" / "data_ids.json").read_text()) == stages
     assert meta["ttt"]["context_policy"] == "current_round"
     assert summary["num_prime_tensors"] == 8
     from transformers import AutoTokenizer
@@ -132,6 +144,10 @@ def test_export_cli_from_a_training_checkpoint(tmp_path, tiny_qwen3_config, monk
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "export"))
     assert tok.chat_template and "<tool_call>" in tok.chat_template
     assert tok.convert_tokens_to_ids("<|im_end|>") == 151645
+    loaded = export_mod.load_for_inference(tmp_path / "export")
+    assert loaded.provenance["data_ids_path"] == str(tmp_path / "export" / "data_ids.json")
+    with pytest.raises(ValueError, match="new directory"):
+        export_mod.export_checkpoint(tmp_path / "export", tmp_path / "export")
 
 
 def test_export_cli_help_shows_usage():

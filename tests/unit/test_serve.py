@@ -139,6 +139,14 @@ def test_greedy_generation_equals_full_forward_and_errors_keep_state(tok):
     first = session.kinds.index(1)
     assert logits[first - 1:first - 1 + len(gen)].argmax(-1).tolist() == gen
     assert session.history[1].round == 2 and len(session.history[1].action_ids) == 6 and msg2["truncated"]
+    # sampling: seeded, reproducible, and not the greedy answer
+    sampled = []
+    for _ in range(2):
+        s2 = AgentSession(agent, temperature=1.0, top_p=0.9, seed=7)
+        s2.reset("List the files.")
+        s2.act(max_new_tokens=6)
+        sampled.append(s2.history[0].action_ids)
+    assert sampled[0] == sampled[1] and sampled[0] != session.history[0].action_ids
 
 
 def test_jsonl_service_errors_and_sessions_survive(tok, trajectory):

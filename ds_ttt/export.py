@@ -182,8 +182,13 @@ def load_export(export_dir: str | pathlib.Path, *, device: str | torch.device = 
         ttt = dataclasses.replace(ttt, attention_backend=attention_backend)
     cfg = load_qwen3_config(export_dir)
     dtype = dtype or (cfg.dtype if isinstance(cfg.dtype, torch.dtype) else getattr(torch, str(cfg.dtype or "float32")))
-    with torch.device(device):
-        model = TTTQwen3ForCausalLM(cfg, ttt).to(dtype)
+    # Build on the meta device and allocate in the target dtype directly (no random init, no fp32
+    # copy of an 8B model); every parameter is then overwritten from the files (checked below).
+    with torch.device("meta"):
+        model = TTTQwen3ForCausalLM(cfg, ttt)
+    model = model.to(dtype).to_empty(device=device)
+    with torch.device(device):  # RoPE's inverse frequencies: recomputed in float32, as transformers does
+        model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
     missing = set(load_backbone_weights(model, export_dir))
     got: set[str] = set()
     if meta.get("prime_file"):

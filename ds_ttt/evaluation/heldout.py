@@ -25,8 +25,10 @@ from ds_ttt.evaluation.runner import MODES, evaluate_model
 RESULTS_FORMAT = "ds_ttt-eval-v1"
 
 
-def exposure(provenance: dict, manifest, split: str = "test") -> dict:
-    """Exposure label of `manifest`'s `split` for a model with `provenance` (see module docstring)."""
+def exposure(provenance: dict, manifest, split: str = "test", ids: set[str] | None = None) -> dict:
+    """Exposure label of `manifest`'s `split` (or of the trajectories `ids` in it) for a model with
+    `provenance` (see module docstring)."""
+    eval_trajs = [t for t in manifest.trajectories(split) if ids is None or t["id"] in ids]
     train_sha = provenance.get("manifest_sha256")
     train_path = provenance.get("manifest_path")
     ids_path = provenance.get("data_ids_path")
@@ -35,7 +37,7 @@ def exposure(provenance: dict, manifest, split: str = "test") -> dict:
 
         stages = json.loads(pathlib.Path(ids_path).read_text())["stages"]
         trained = {i for st in stages for i in st["train"]}
-        ids = {t["id"] for t in manifest.trajectories(split)}
+        ids = {t["id"] for t in eval_trajs}
         overlap = len(ids & trained)
         same = [st["data_stage"] for st in stages if st.get("sha256") == manifest.sha256]
         where = f"test split of training stage {same[0]}'s manifest; " if same else "not a training manifest; "
@@ -55,7 +57,6 @@ def exposure(provenance: dict, manifest, split: str = "test") -> dict:
         except Exception as e:  # noqa: BLE001 - report, do not fail the evaluation
             return {"label": "unknown", "detail": f"training manifest {train_path} unreadable: {e}",
                     "training_manifest_sha256": train_sha}
-        eval_trajs = manifest.trajectories(split)
         ids = {t["id"] for t in eval_trajs}
         groups = {t["meta"].get("group", t["id"]) for t in eval_trajs}
         train_trajs = tm.trajectories("train")
@@ -83,7 +84,7 @@ def run_heldout(checkpoint: str, manifest_path: str, out_dir: str, *, device: st
     results = {
         "format": RESULTS_FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "exposure": exposure(loaded.provenance, manifest),
+        "exposure": exposure(loaded.provenance, manifest, ids={t.id for t in trajectories}),
         "checkpoint": loaded.provenance,
         "manifest": {"path": str(pathlib.Path(manifest_path)), "sha256": manifest.sha256, "split": "test",
                      "capacity": manifest.capacity, "limit": limit},

@@ -97,6 +97,13 @@ def test_exposure_counts_trajectories_seen_in_training(data):
     n_test = len(man.trajectories("test"))
     assert exp["label"] == "exposed" and exp["overlap_ids"] == n_test
     assert exposure({}, man)["label"] == "unknown"
+    # the trainer's data_ids.json (every data stage's train ids) decides when present
+    test_ids = sorted(t["id"] for t in man.trajectories("test"))
+    ids_file = root / "data_ids.json"
+    ids_file.write_text(json.dumps({"stages": [{"data_stage": 0, "sha256": man.sha256, "train": test_ids[:1], "test": []}]}))
+    exp = exposure({"data_ids_path": str(ids_file)}, man)
+    assert exp["label"] == "exposed" and exp["overlap_ids"] == 1 and "stage 0" in exp["detail"]
+    assert exposure({"data_ids_path": str(ids_file)}, man, ids=set(test_ids[1:]))["label"] == "held_out"
 
 
 def test_memory_test_cli_reports_worlds_and_readbacks(export_dir, tmp_path):

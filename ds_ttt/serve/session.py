@@ -309,8 +309,7 @@ class AgentSession:
         labels = torch.tensor([round_ids[j + 1] for j in want], dtype=torch.long, device=self.agent.device)
         ttt = self.model.ttt
         can_update = bool(want) and len(s.weights) > 0 and ttt.inner_lr > 0
-        log = s.history[-1]
-        new_w, obs_nll = s.weights, None
+        new_w, obs_nll, updated, skipped, after = s.weights, None, False, False, None
         with torch.enable_grad() if can_update else torch.no_grad():
             w = tuple(x.detach().requires_grad_(True) for x in s.weights) if can_update else s.weights
             logits, caches = self._forward(round_ids, s.round_start, s.round, s.caches_before_round, w, want)
@@ -320,12 +319,14 @@ class AgentSession:
             if can_update:
                 res = inner_sgd_step(loss, w, lr=ttt.inner_lr, max_norm=ttt.inner_max_norm, create_graph=False)
                 new_w = tuple(x.detach() for x in res.weights)
-                log.updated, log.skipped = not res.skipped, res.skipped
-        if self.track_after and log.updated:
+                updated, skipped = not res.skipped, res.skipped
+        if self.track_after and updated:
             with torch.no_grad():
-                after, _ = self._forward(round_ids, s.round_start, s.round, s.caches_before_round, new_w, want)
-                log.obs_nll_after = float(F.cross_entropy(after, labels))
-        log.obs_tokens, log.obs_nll = len(want), obs_nll
+                logits_after, _ = self._forward(round_ids, s.round_start, s.round, s.caches_before_round, new_w, want)
+                after = float(F.cross_entropy(logits_after, labels))
+        # commit (nothing above mutated the session)
+        log = s.history[-1]
+        log.obs_tokens, log.obs_nll, log.obs_nll_after, log.updated, log.skipped = len(want), obs_nll, after, updated, skipped
         s.ids += obs_ids
         s.kinds += obs_kinds
         s.rounds += [s.round] * len(obs_ids)

@@ -97,6 +97,18 @@ def test_export_round_trip_names_shards_logits_adaptation_and_hf_load(tmp_path, 
         assert (model(ids) - off(ids)).abs().max() > 1e-4  # the prime branch matters in the trained model
 
 
+def test_sft_baseline_without_prime_layers_round_trips(tmp_path, tiny_qwen3_config):
+    model = trained_like_model(tiny_qwen3_config, adaptive_layers=0, trainable_scope="all")
+    export_model(model, tmp_path)
+    assert not (tmp_path / "prime.safetensors").exists()
+    loaded = load_export(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ids = batch()[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+
+
 def test_load_export_rejects_a_tampered_prime_file(tmp_path, tiny_qwen3_config):
     model = trained_like_model(tiny_qwen3_config)
     export_model(model, tmp_path)

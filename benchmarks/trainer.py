@@ -69,7 +69,7 @@ def context_worker(args) -> dict:
     dt = time.perf_counter() - t0
     return {"context": args.context, "checkpoint_events": args.checkpoint == "on", "events": int(batch[2].max()),
             "tokens_per_s": args.context / dt, "step_s": dt, "peak_rss_gb": rss_gb(), "rss_before_step_gb": base,
-            "loss": float(out.loss.detach()), "inner_updates": out.num_updates}
+            "loss": float(out.loss.detach()), "inner_updates": out.num_updates, "load_avg_1m": os.getloadavg()[0]}
 
 
 def stage_worker(args) -> None:
@@ -112,7 +112,8 @@ def stage_worker(args) -> None:
         per_rank = [float(g) for g in gathered]
         res = {"stages": stages, "ranks": dist.get_world_size(), "context": args.context, "global_batch": gas,
                "tokens_per_s": gas * args.context * len(timed) / sum(timed), "step_s": sum(timed) / len(timed),
-               "peak_rss_gb_max_rank": max(per_rank), "peak_rss_gb_sum": sum(per_rank), "peak_rss_gb_per_rank": per_rank}
+               "peak_rss_gb_max_rank": max(per_rank), "peak_rss_gb_sum": sum(per_rank), "peak_rss_gb_per_rank": per_rank,
+               "load_avg_1m": os.getloadavg()[0]}
         pathlib.Path(args.result).write_text(json.dumps(res))
     dist.destroy_process_group()
 
@@ -181,13 +182,29 @@ def markdown(res: dict) -> str:
         on, off = by.get((c, True)), by.get((c, False))
         off_cells = f"{off['tokens_per_s']:.0f} | {off['peak_rss_gb']:.2f}" if off else "not run | not run"
         lines.append(f"| {c} | {on['events']} | {on['tokens_per_s']:.0f} | {on['peak_rss_gb']:.2f} | {off_cells} |")
-    if (4096, True) in by and (8192, True) in by:
-        on = by[(8192, True)]["peak_rss_gb"] / by[(4096, True)]["peak_rss_gb"]
-        lines += ["", f"4K -> 8K peak RSS with checkpointing: x{on:.2f} (target <= x2.2)"]
-        if (4096, False) in by and (8192, False) in by:
-            off = by[(8192, False)]["peak_rss_gb"] / by[(4096, False)]["peak_rss_gb"]
-            lines.append(f"4K -> 8K peak RSS without checkpointing: x{off:.2f}")
-    lines += ["", "Peak RSS includes the process baseline (Python, torch, DeepSpeed, the model: ~1 GB); "
+    def growth(a, b):
+        total = b["peak_rss_gb"] / a["peak_rss_gb"]
+        step = (b["peak_rss_gb"] - b["rss_before_step_gb"]) / (a["peak_rss_gb"] - a["rss_before_step_gb"])
+        return f"x{total:.2f} (peak RSS), x{step:.2f} (peak RSS above the pre-step baseline)"
+
+    lines.append("")
+    for ck, label in ((True, "with"), (False, "without")):
+        for lo, hi in ((1024, 2048), (2048, 4096), (4096, 8192)):
+            if (lo, ck) in by and (hi, ck) in by:
+                target = " (target <= x2.2)" if (ck and lo == 4096) else ""
+                lines.append(f"- {lo // 1024}K -> {hi // 1024}K {label} checkpointing: "
+                             f"{growth(by[(lo, ck)], by[(hi, ck)])}{target}")
+    offs = sorted(c for (c, ck) in by if not ck)
+    skipped = [c for c in ctxs if (c, False) not in by]
+    if skipped and len(offs) >= 2:
+        a, b = by[(offs[-2], False)], by[(offs[-1], False)]
+        grow = (b["peak_rss_gb"] - b["rss_before_step_gb"]) / (a["peak_rss_gb"] - a["rss_before_step_gb"])
+        proj = b["rss_before_step_gb"] + (b["peak_rss_gb"] - b["rss_before_step_gb"]) * grow ** (len(skipped))
+        lines.append(f"- without checkpointing at {', '.join(str(c) for c in skipped)}: not run (`--max_off_context "
+                     f"{offs[-1]}`); at the measured x{grow:.2f} per doubling that is ~{proj:.0f} GB peak RSS, more "
+                     "than this shared machine can safely give one process")
+    lines += ["", "Timings share 2 cores with other jobs (see the load average); compare columns measured "
+              "together rather than absolute numbers. Peak RSS includes the process baseline (Python, torch, the model: ~0.4 GB); "
               "`rss_before_step_gb` in trainer.json gives it per context run."]
     return "\n".join(lines) + "\n"
 

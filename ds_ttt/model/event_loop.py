@@ -110,9 +110,22 @@ def forward_event(layers: Sequence[nn.Module], caches: list[LayerCache], hidden_
     return hidden_1TC, outs
 
 
-def _nll(suffix: SuffixModules, hidden_1TC, label_idx, labels):
-    logits = suffix.lm_head(suffix.norm(hidden_1TC[0, label_idx]))
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+def _nll(suffix: SuffixModules, hidden_1TC, label_idx, labels, in_graph=None):
+    """NLL and logits at `label_idx`. With `in_graph` (a bool mask over label_idx), only those rows
+    enter the autograd graph; the others (context rows scored for evaluation) are computed under
+    no_grad, so the inner step's backward never touches them."""
+    def logits_of(idx):
+        logits = suffix.lm_head(suffix.norm(hidden_1TC[0, idx]))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+    if in_graph is None or bool(in_graph.all()):
+        logits = logits_of(label_idx)
+        return F.cross_entropy(logits, labels, reduction="none"), logits
+    logits_g = logits_of(label_idx[in_graph])
+    with torch.no_grad():
+        logits_c = logits_of(label_idx[~in_graph])
+    logits = logits_g.new_empty(label_idx.numel(), logits_g.shape[-1])
+    logits = logits.index_put((in_graph.nonzero().squeeze(1),), logits_g)
+    logits = logits.index_put(((~in_graph).nonzero().squeeze(1),), logits_c)
     return F.cross_entropy(logits, labels, reduction="none"), logits
 
 
@@ -161,11 +174,11 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
             kept = [policy.select(c, start, round_id)[0] for c in caches]
 
             def score(h, ws, kvs, kept=kept, positions=positions, start=start, round_id=round_id,
-                      local=local, tgt=tgt):
+                      local=local, tgt=tgt, act_mask=act_mask, obs_mask=obs_mask):
                 cs = [LayerCache(kvs[2 * i], kvs[2 * i + 1], c.positions_S, c.rounds_S) for i, c in enumerate(kept)]
                 h_out, outs = forward_event(suffix.layers, cs, h, suffix.rotary_emb(h, positions), start,
                                             round_id, policy, backend, ws)
-                nll, logits = _nll(suffix, h_out, local, tgt)
+                nll, logits = _nll(suffix, h_out, local, tgt, in_graph=(act_mask | obs_mask) if record else None)
                 return nll, logits, [t for _, k, v in outs for t in (k, v)]
 
             def step(h, *flat, score=score, act_mask=act_mask, obs_mask=obs_mask, k_obs=k_obs,

@@ -92,6 +92,6 @@ def load_hf_qwen3(model_dir: str | pathlib.Path, ttt: TTTConfig, *, dtype: torch
     """A TTT model whose backbone is the checkpoint in `model_dir` and whose prime MLPs are fresh."""
     cfg = load_qwen3_config(model_dir)
     with torch.device(device):
-        model = TTTQwen3ForCausalLM(cfg, ttt).to(dtype)
+        model = TTTQwen3ForCausalLM(cfg, ttt).to_dtype(dtype)
     load_backbone_weights(model, model_dir)
     return model

@@ -218,6 +218,15 @@ class TTTQwen3ForCausalLM(nn.Module):
                               create_graph=torch.is_grad_enabled() if create_graph is None else create_graph,
                               update=update, record=record)
 
+    def to_dtype(self, dtype: torch.dtype) -> "TTTQwen3ForCausalLM":
+        """Cast parameters to `dtype` but keep RoPE's inv_freq in fp32 (as transformers and DeepSpeed do);
+        a plain `.to(bf16)` would round the rotary frequencies and drift at long positions."""
+        self.to(dtype)
+        rope = self.model.rotary_emb
+        with torch.device(rope.inv_freq.device):
+            self.model.rotary_emb = Qwen3RotaryEmbedding(self.config)
+        return self
+
     # ---- training scope ----------------------------------------------------------------------
     def set_trainable_scope(self, scope: str | None = None) -> None:
         """prime: prime MLPs + their norms; suffix: the adaptive layers (+ final norm, LM head); all."""

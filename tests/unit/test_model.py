@@ -251,3 +251,18 @@ def test_ttt_config_rejects_unknown_keys():
     with pytest.raises(ValueError, match="unknown key"):
         TTTConfig.from_dict({"inner_lr": 0.1, "inner_learning_rate": 0.2})
     assert dataclasses.asdict(TTTConfig.from_dict({"inner_lr": 0.2}))["inner_lr"] == 0.2
+
+
+def test_to_dtype_keeps_rope_frequencies_in_fp32(tiny_qwen3_config):
+    model = TTTQwen3ForCausalLM(tiny_qwen3_config, TTTConfig()).to_dtype(torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_record_mode_scores_every_position_and_keeps_the_loss(tiny_qwen3_config):
+    model = make_model(tiny_qwen3_config)
+    ids, kinds, rounds = trajectory()
+    plain = model.trajectory_loss(ids, kinds, rounds, create_graph=False)
+    rec = model.trajectory_loss(ids, kinds, rounds, create_graph=False, record=True)
+    torch.testing.assert_close(plain.loss, rec.loss)
+    assert sum(len(e.labels) for e in rec.records[0]) == ids.shape[1] - 1

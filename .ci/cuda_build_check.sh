@@ -9,6 +9,8 @@
 # TORCH_CUDA_ARCH_LIST=9.0, and imports the resulting extension. Exits non-zero when the kernels
 # do not compile or link. The build cache lives in <repo>/.torch_extensions/cuda-check (wiped
 # first so the check always compiles). Prints how long each phase took.
+# Extra nvcc flags: DS_TTT_FLASHBOB_NVCC_FLAGS (e.g. "-Xptxas=-v" for register/spill counts;
+# "-DFLASHBOB_FORCE_COMPILE_ERROR" makes the kernel fail to compile, to prove this exits non-zero).
 set -euo pipefail
 start=$(date +%s)
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -102,10 +102,13 @@ class FlashBoBCUDABuilder(CUDAOpBuilder):
         # Chosen deliberately (not the base list): no --use_fast_math (exp2f/log2f stay IEEE-ish;
         # second derivatives are sensitive), C++20 as the torch headers require, half/bf16
         # operators enabled. Arch flags come from TORCH_CUDA_ARCH_LIST via torch.
+        # DS_TTT_FLASHBOB_NVCC_FLAGS appends flags (e.g. -Xptxas=-v, or
+        # -DFLASHBOB_FORCE_COMPILE_ERROR to prove that .ci/cuda_build_check.sh fails).
+        extra = os.environ.get("DS_TTT_FLASHBOB_NVCC_FLAGS", "").split()
         return ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo",
                 "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                 "-U__CUDA_NO_HALF2_OPERATORS__", "-U__CUDA_NO_BFLOAT16_OPERATORS__",
-                "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_BFLOAT162_OPERATORS__"]
+                "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_BFLOAT162_OPERATORS__"] + extra
 
     def is_compatible(self, verbose=False):
         from torch.utils import cpp_extension

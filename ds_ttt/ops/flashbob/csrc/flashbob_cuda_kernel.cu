@@ -17,6 +17,9 @@
 // The same source also compiles as plain C++ under FLASHBOB_CUDA_EMU (csrc/emu/cuda_emu.h: one
 // host thread per CUDA thread, std::barrier for __syncthreads), so the kernels' logic is tested
 // on CPU by tests/unit/test_flashbob_cuda_emu.py before any GPU session.
+#ifdef FLASHBOB_FORCE_COMPILE_ERROR
+#error "FLASHBOB_FORCE_COMPILE_ERROR: deliberate failure to test .ci/cuda_build_check.sh"
+#endif
 #ifndef FLASHBOB_CUDA_EMU
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

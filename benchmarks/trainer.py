@@ -1,6 +1,11 @@
 """Trainer benchmark on CPU: tokens/s and peak RSS of the tiny preset (full Qwen3 vocabulary).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer.py [--contexts 1024 2048 4096 8192] [--out benchmarks/results]
+        [--attention_backend cpu|reference] [--max_off_context N]
+
+The adaptive layers use the FlashBoB C++ CPU kernels (`cpu`, O(N d) memory, JIT-built once into
+.torch_extensions/) by default; `reference` is the O(N^2) PyTorch specification (with glibc's default
+allocator its growing per-event temporaries also fragment the heap, inflating peak RSS).
 
 Two tables, each configuration in its own process(es) so peak RSS is its own:
   stages    the real DeepSpeed pipeline engine (torchrun, gloo, ZeRO-1, AdamW) for 1 stage (1 rank) and
@@ -32,7 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 ROUND_LAYOUT = [0] * 8 + [1] * 40 + [2] * 80  # one event: header, action, observation
-TTT = dict(adaptive_layers=2, trainable_scope="prime", attention_backend="reference")
+TTT = dict(adaptive_layers=2, trainable_scope="prime")
 
 
 def rss_gb() -> float:
@@ -59,7 +64,8 @@ def context_worker(args) -> dict:
     from ds_ttt.train.data_loader import collate
 
     torch.manual_seed(0)
-    model = TTTQwen3ForCausalLM(backbone_config("tiny"), TTTConfig(**TTT, checkpoint_events=args.checkpoint == "on"))
+    model = TTTQwen3ForCausalLM(backbone_config("tiny"), TTTConfig(**TTT, attention_backend=args.attention_backend,
+                                                          checkpoint_events=args.checkpoint == "on"))
     model.set_trainable_scope()
     batch = collate([trajectory(args.context, model.config.vocab_size, 0)], bucket=1, capacity=args.context)
     base = rss_gb()
@@ -85,7 +91,7 @@ def stage_worker(args) -> None:
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg, ttt = backbone_config("tiny"), TTTConfig(**TTT)
+    cfg, ttt = backbone_config("tiny"), TTTConfig(**TTT, attention_backend=args.attention_backend)
     stages, gas, steps = args.stages, 4, args.steps
     module = TTTPipelineModule(cfg, ttt, resolve_layout(stages, cfg.num_hidden_layers, ttt), seed=0)
     ds = {"train_batch_size": gas, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
@@ -133,13 +139,16 @@ def spawn(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
 def orchestrate(args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "omp_threads": 1,
+    results = {"attention_backend": args.attention_backend, "max_off_context": args.max_off_context,
+               "command": " ".join(["OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer.py"] + sys.argv[1:]),
+               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "omp_threads": 1,
                            "load_avg_at_start": os.getloadavg()}, "stages": [], "contexts": []}
     for stages in args.stages:
         res_file = out / f".stage{stages}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(stages), "--master_port",
                str(free_port()), __file__, "--mode", "stage_worker", "--stages", str(stages), "--context",
-               str(args.stage_context), "--steps", str(args.steps), "--result", str(res_file)]
+               str(args.stage_context), "--steps", str(args.steps), "--result", str(res_file),
+               "--attention_backend", args.attention_backend]
         proc = spawn(cmd, 1800)
         if proc.returncode != 0:
             raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
@@ -151,7 +160,7 @@ def orchestrate(args) -> None:
             if ck == "off" and context > args.max_off_context:
                 continue
             proc = spawn([sys.executable, __file__, "--mode", "context_worker", "--context", str(context),
-                          "--checkpoint", ck], 3600)
+                          "--checkpoint", ck, "--attention_backend", args.attention_backend], 3600)
             if proc.returncode != 0:
                 raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
             results["contexts"].append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -163,9 +172,10 @@ def orchestrate(args) -> None:
 
 def markdown(res: dict) -> str:
     lines = ["# Trainer benchmark (CPU, tiny preset, full Qwen3 vocabulary)", "",
+             f"Adaptive-layer attention backend: `{res.get('attention_backend', 'reference')}`. "
+             f"Command: `{res.get('command', 'OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer.py')}`.", "",
              f"Machine: {res['machine']['cpus']} CPUs (shared; load average at start "
-             f"{res['machine']['load_avg_at_start'][0]:.1f}), OMP_NUM_THREADS=1 per process. "
-             "Command: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainer.py`.", "",
+             f"{res['machine']['load_avg_at_start'][0]:.1f}), OMP_NUM_THREADS=1 per process.", "",
              "## Pipeline stages (DeepSpeed engine, ZeRO-1, AdamW, global batch 4 x "
              f"{res['stages'][0]['context'] if res['stages'] else '?'} tokens)", "",
              "| stages | ranks | tokens/s | s/step | peak RSS max rank (GB) | peak RSS sum (GB) |",
@@ -220,6 +230,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--checkpoint", choices=["on", "off"], default="on")
+    ap.add_argument("--attention_backend", default="cpu", choices=["cpu", "reference"],
+                    help="adaptive-layer attention: the O(N d) C++ FlashBoB kernels or the O(N^2) PyTorch reference")
     ap.add_argument("--result")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--local_rank", type=int, default=-1)

@@ -3,8 +3,10 @@ engine, recording the loss and every parameter's update.
 
     torchrun --nproc_per_node 4 tests/e2e/pipeline_worker.py OUT_DIR
 
-Runs three layouts in one launch (4 CPU ranks): "pp4" = 4 stages x 1 dp, ZeRO-0, no clipping;
-"pp2dp2" = 2 stages x 2 dp, ZeRO-1, gradient clipping at a norm the gradients exceed; "sft_pp4" = the
+Runs five layouts in one launch (4 CPU ranks): "pp4" = 4 stages x 1 dp, ZeRO-0, no clipping;
+"pp2dp2" = 2 stages x 2 dp, ZeRO-1, gradient clipping at a norm the gradients exceed;
+"pp4_zero1_clip" = cpu_tiny's layout (4 stages, ZeRO-1, clipping); "bug_pp4_zero0_clip" = the same
+without ZeRO (DeepSpeed 0.19.8 clips with stage 0's norm only: the trainer refuses it); "sft_pp4" = the
 SFT baseline (adaptive_layers=0, no inner loop) through the same pipeline. The optimizer is
 SGD with lr 1 (a client optimizer), so each parameter's update is exactly minus its (clipped,
 data-parallel averaged) gradient. Rank files: OUT_DIR/<layout>/rank<R>.pt = {"loss", "delta": {HF name: tensor}}.
@@ -32,6 +34,9 @@ LAYOUTS = {
     # name: (stages, zero stage, gradient_clipping, micro, gas, TTT settings)
     "pp4": (4, 0, 0.0, 2, 2, dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)),
     "pp2dp2": (2, 1, 0.05, 1, 2, dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)),
+    "pp4_zero1_clip": (4, 1, 0.05, 1, 2, dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)),  # cpu_tiny
+    # DeepSpeed 0.19.8's bug (why the trainer refuses this combination): clipping without ZeRO in fp32
+    "bug_pp4_zero0_clip": (4, 0, 0.05, 1, 2, dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)),
     "sft_pp4": (4, 1, 0.0, 1, 2, dict(adaptive_layers=0, trainable_scope="suffix")),
 }
 

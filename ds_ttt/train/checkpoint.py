@@ -95,9 +95,11 @@ class RunInfo:
 
     @property
     def tokenizer_dir(self) -> str | None:
-        """The model directory (--model runs) else the manifest's tokenizer folder."""
-        if "model_dir" in self.model_source:
-            return self.model_source["model_dir"]
+        """The model directory when it holds a tokenizer (--model runs), else the manifest's tokenizer
+        folder (the tokenizer the training data was rendered with)."""
+        model_dir = self.model_source.get("model_dir")
+        if model_dir and (pathlib.Path(model_dir) / "tokenizer.json").is_file():
+            return model_dir
         return str(pathlib.Path(self.manifest_path).parent / "tokenizer")
 
     @classmethod

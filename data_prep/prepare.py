@@ -2,6 +2,7 @@
 
     python data_prep/prepare.py --inputs PATHS... --out DIR [--capacity N] [--test-fraction F] [--seed S]
                                 [--allow-rejects] [--model DIR] [--hub-pin PIN.json [--hub-mirror URL|DIR]]
+                                [--trim-vocab]
 
 PATHS: ATIF *.json (continuations `*.cont-N.json` beside their parent), Terminus-2 trial folders,
 OpenAI-messages / canonical *.jsonl, or folders of these. With --hub-pin the pinned files are
@@ -28,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--test-fraction", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--allow-rejects", action="store_true")
+    ap.add_argument("--trim-vocab", action="store_true",
+                    help="compact Qwen3 vocabulary (the train split's tokens + byte fallback) for small models trained from scratch")
     ap.add_argument("--model", default=None, help="local Qwen3 checkpoint dir whose tokenizer to use")
     ap.add_argument("--hub-pin", default=None, help="JSON pin {repo_id, revision, files: {path: sha256}}")
     ap.add_argument("--hub-mirror", default=None, help="local dir, file:// or http(s):// mirror (HF URL layout)")
@@ -49,7 +52,8 @@ def main(argv=None) -> int:
     if not inputs:
         ap.error("no inputs (give --inputs and/or --hub-pin)")
     res = prepare(inputs, args.out, capacity=args.capacity, test_fraction=args.test_fraction, seed=args.seed,
-                  allow_rejects=args.allow_rejects, model_dir=args.model, progress=True, hub=hub)
+                  allow_rejects=args.allow_rejects, model_dir=args.model, progress=True, hub=hub,
+                  trim_vocab=args.trim_vocab)
     if res.manifest is None:
         print(f"error: {res.message}", file=sys.stderr)
         return res.exit_code

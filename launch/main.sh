@@ -26,8 +26,8 @@ need() { [ -f "$1" ] || { echo "main job stopped: $1 does not exist yet ($2)"; e
 step "1/6 generate $NUM_TRAJ trajectories in real bash sandboxes (seed $SEED)"
 $PY data_prep/generate.py --out "$WORK/raw" --num "$NUM_TRAJ" --seed "$SEED"
 
-step "2/6 prepare the manifest (tokenize, capacity filter, train/test split, hashes)"
-$PY data_prep/prepare.py --inputs "$WORK/raw/trajectories.jsonl" --out "$WORK/data" --seed "$SEED"
+step "2/6 prepare the manifest (tokenize with a compact Qwen3 vocabulary, capacity filter, split, hashes)"
+$PY data_prep/prepare.py --inputs "$WORK/raw/trajectories.jsonl" --out "$WORK/data" --seed "$SEED" --trim-vocab
 
 step "3/6 meta-train: 4 pipeline stages on 4 CPU ranks"
 need launch/train.py "the pipeline trainer, issue 5"

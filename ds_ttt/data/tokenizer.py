@@ -255,9 +255,13 @@ def load_tokenizer(model_dir: str | None = None) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    id_map = path / "qwen3_ids.json"  # a compact vocabulary (prepare.py --trim-vocab): new id -> Qwen3 id
+    qwen3_ids = json.loads(id_map.read_text()) if id_map.is_file() else None
     for tid, content, _ in QWEN3_ADDED_TOKENS:
-        if tok.convert_tokens_to_ids(content) != tid:
-            raise ValueError(f"{model_dir}: token {content} has id {tok.convert_tokens_to_ids(content)}, Qwen3 uses {tid}")
+        got = tok.convert_tokens_to_ids(content)
+        if (qwen3_ids[got] if qwen3_ids is not None and got is not None and 0 <= got < len(qwen3_ids) else got) != tid:
+            raise ValueError(f"{model_dir}: token {content} has id {got}, Qwen3 uses {tid}"
+                             + (f" (through {id_map})" if qwen3_ids is not None else ""))
     if not getattr(tok, "chat_template", None):
         tok.chat_template = CHAT_TEMPLATE_PATH.read_text()
     return tok

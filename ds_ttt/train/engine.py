@@ -37,8 +37,18 @@ from ds_ttt.train.schedule import start_schedule
 STRUCTURAL_TTT = ("adaptive_layers", "prime_intermediate_size", "trainable_scope")
 
 
-def load_backbone(run: RunConfig):
-    return load_qwen3_config(run.model) if run.model else backbone_config(run.preset)
+def load_backbone(run: RunConfig, manifest=None):
+    """The backbone config; a preset adopts a manifest's compact vocabulary (prepare.py --trim-vocab)."""
+    if run.model:
+        cfg = load_qwen3_config(run.model)
+        if manifest is not None and manifest.data["tokenizer"].get("trimmed"):
+            raise ValueError(f"{run.data}: the manifest has a trimmed vocabulary but --model {run.model} uses "
+                             "Qwen3's full vocabulary; prepare the data without --trim-vocab")
+        return cfg
+    cfg = backbone_config(run.preset)
+    if manifest is not None and manifest.data["tokenizer"].get("trimmed"):
+        cfg.vocab_size = -(-manifest.data["tokenizer"]["vocab_size"] // 64) * 64  # padded like Qwen3's table
+    return cfg
 
 
 @torch.no_grad()
@@ -109,11 +119,11 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
         raise ValueError("--resume and --start-stage-from are exclusive (resume continues a stage; "
                          "--start-stage-from begins a new one)")
     rank, world = dist.get_rank(), dist.get_world_size()
-    backbone = load_backbone(run)
+    manifest = load_manifest(run.data)
+    backbone = load_backbone(run, manifest)
     layout = validate_deepspeed(run, ds, world, backbone.num_hidden_layers)
     dp = world // layout.num_stages
     train_bs, micro, gas = batch_sizes(ds, dp)
-    manifest = load_manifest(run.data)
     num_train = len(manifest.ids("train"))
     retained = sum(manifest.retained_rounds("train").values())
     run_dir = pathlib.Path(run.output)

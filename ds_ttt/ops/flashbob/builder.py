@@ -60,8 +60,8 @@ class FlashBoBCPUBuilder(OpBuilder):
         return [str(CSRC)]
 
     def cxx_args(self):
-        # -fno-math-errno lets `omp simd` loops call glibc's vector exp2; no -ffast-math because
-        # the kernels rely on ±inf (masked logits, L = +inf on fully masked rows).
+        # -fno-math-errno lets the `omp simd` loops (rounding in the polynomial exp2) vectorize;
+        # no -ffast-math because the kernels rely on ±inf (masked logits, fully masked rows).
         return ["-O3", self.cpu_arch(), "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
                 "-Wno-reorder"]
 

@@ -67,6 +67,14 @@ def flash_attend(scale: float, window: int) -> Attend:
     return attend
 
 
+def frozen_path_attend(policy: ContextPolicy, hidden_BTC: torch.Tensor, rounds_BT: torch.Tensor, scale: float) -> Attend:
+    """Whole-sequence attention for layers outside the inner loop: flash-attn on CUDA when installed
+    (causal or sliding window), else SDPA with the context-policy mask (CPU, and current_round)."""
+    if policy.kind != "current_round" and flash_attn_available(hidden_BTC):
+        return flash_attend(scale, policy.window)
+    return sdpa_attend(policy.mask(rounds_BT), scale)
+
+
 class RMSNorm(Qwen3RMSNorm):
     """Qwen3's RMSNorm, computed in at least fp32 (HF's always rounds through fp32, which would make
     float64 finite-difference checks of the meta-gradient meaningless). Identical for fp32/bf16."""
@@ -191,12 +199,9 @@ class TTTQwen3ForCausalLM(nn.Module):
             raise ValueError("context_policy='current_round' needs rounds_BT (round id per token)")
         positions_BT = torch.arange(t, device=hidden_BTC.device).expand(b, t)
         pos_emb = self.position_embeddings(hidden_BTC, positions_BT)
-        scale = self.model.layers[0].self_attn.scaling
-        if self.policy.kind != "current_round" and flash_attn_available(hidden_BTC):
-            attend = flash_attend(scale, self.policy.window)
-        else:  # SDPA on CPU, and for the block-structured current_round mask
-            mask = self.policy.mask(rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT))
-            attend = sdpa_attend(mask, scale)
+        attend = frozen_path_attend(self.policy, hidden_BTC,
+                                    rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT),
+                                    self.model.layers[0].self_attn.scaling)
         for layer in layers:
             hidden_BTC, _ = layer(hidden_BTC, pos_emb, attend)
         return hidden_BTC

@@ -34,8 +34,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEm
 from ds_ttt.config import TTTConfig
 from ds_ttt.model.context import ContextPolicy
 from ds_ttt.model.event_loop import SuffixModules, run_event_loop
-from ds_ttt.model.qwen3 import (RMSNorm, TTTDecoderLayer, flash_attend, flash_attn_available, is_suffix_param,
-                               sdpa_attend)
+from ds_ttt.model.qwen3 import RMSNorm, TTTDecoderLayer, frozen_path_attend, is_suffix_param
 from ds_ttt.train.run_config import Layout
 
 ANCHOR = "stage_anchor"
@@ -109,11 +108,7 @@ class DecoderPipe(_PipeLayer):
         b, t, _ = hidden_BTC.shape
         positions_BT = torch.arange(t, device=hidden_BTC.device).expand(b, t)
         pos_emb = self.rotary_emb(hidden_BTC, positions_BT)
-        scale = self.layer.self_attn.scaling
-        if self.policy.kind != "current_round" and flash_attn_available(hidden_BTC):  # as run_layers does
-            attend = flash_attend(scale, self.policy.window)
-        else:
-            attend = sdpa_attend(self.policy.mask(rounds_BT), scale)
+        attend = frozen_path_attend(self.policy, hidden_BTC, rounds_BT, self.layer.self_attn.scaling)
         hidden_BTC, _ = self.layer(self.anchored(hidden_BTC), pos_emb, attend)
         return hidden_BTC, input_ids_BT, kinds_BT, rounds_BT
 

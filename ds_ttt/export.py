@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, Qwen3Config
 
 from ds_ttt.config import TTTConfig
-from ds_ttt.model.hf_adapter import is_prime_param, load_backbone_weights, load_qwen3_config
+from ds_ttt.model.hf_adapter import copy_checked, is_prime_param, load_backbone_weights, load_qwen3_config
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 
 EXPORT_FORMAT = "ds_ttt-export-v1"
@@ -198,11 +198,7 @@ def load_export(export_dir: str | pathlib.Path, *, device: str | torch.device = 
                 if name not in missing:
                     raise KeyError(f"{export_dir / meta['prime_file']}: unexpected tensor {name!r} "
                                    f"(not a prime parameter of this model)")
-                t = f.get_tensor(name)
-                if t.shape != params[name].shape:
-                    raise ValueError(f"{export_dir / meta['prime_file']}: {name} has shape {tuple(t.shape)}, "
-                                     f"model expects {tuple(params[name].shape)}")
-                params[name].copy_(t.to(params[name].dtype))
+                copy_checked(params[name], f.get_tensor(name), name=name, where=export_dir / meta["prime_file"])
                 got.add(name)
     if missing - got:
         raise KeyError(f"{export_dir}: no weights for {sorted(missing - got)[:5]} (prime.safetensors incomplete?)")

@@ -46,6 +46,13 @@ def checkpoint_shards(model_dir: pathlib.Path) -> dict[str, list[str]]:
                             "pass a Hugging Face Qwen3 checkpoint directory (config.json + safetensors)")
 
 
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, *, name: str, where) -> None:
+    """dst <- src (cast to dst's dtype) after checking the shape; the error names the file and tensor."""
+    if src.shape != dst.shape:
+        raise ValueError(f"{where}: {name} has shape {tuple(src.shape)}, model expects {tuple(dst.shape)}")
+    dst.copy_(src.to(dst.dtype))
+
+
 def load_qwen3_config(model_dir: str | pathlib.Path) -> Qwen3Config:
     path = pathlib.Path(model_dir) / "config.json"
     if not path.exists():
@@ -70,11 +77,7 @@ def load_backbone_weights(model: TTTQwen3ForCausalLM, model_dir: str | pathlib.P
                         raise KeyError(f"{model_dir / shard}: tensor {name!r} has no parameter in the TTT model "
                                        "(is this a Qwen3 checkpoint?)")
                     continue
-                tensor = f.get_tensor(name)
-                if tensor.shape != params[name].shape:
-                    raise ValueError(f"{model_dir / shard}: {name} has shape {tuple(tensor.shape)}, "
-                                     f"model expects {tuple(params[name].shape)}")
-                params[name].copy_(tensor.to(params[name].dtype))
+                copy_checked(params[name], f.get_tensor(name), name=name, where=model_dir / shard)
                 seen.add(name)
     missing = sorted(set(params) - seen)
     if "lm_head.weight" in missing and model.config.tie_word_embeddings:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ds_ttt.data.manifest import load_manifest
-from ds_ttt.model.hf_adapter import checkpoint_shards, is_prime_param, load_qwen3_config
+from ds_ttt.model.hf_adapter import checkpoint_shards, copy_checked, is_prime_param, load_qwen3_config
 from ds_ttt.model.presets import backbone_config
 from ds_ttt.train import checkpoint as ckpt
 from ds_ttt.train.data_loader import TrajectoryBatches, samples_from_manifest
@@ -64,11 +64,7 @@ def load_hf_weights(wanted: dict[str, torch.Tensor], model_dir: str) -> None:
             continue
         with safe_open(str(model_dir / shard), "pt") as f:
             for name in mine:
-                t = f.get_tensor(name)
-                if t.shape != wanted[name].shape:
-                    raise ValueError(f"{model_dir / shard}: {name} has shape {tuple(t.shape)}, "
-                                     f"model expects {tuple(wanted[name].shape)}")
-                wanted[name].copy_(t.to(wanted[name].dtype))
+                copy_checked(wanted[name], f.get_tensor(name), name=name, where=model_dir / shard)
                 seen.add(name)
     missing = [n for n in wanted if n not in seen and not is_prime_param(n)]
     if missing:

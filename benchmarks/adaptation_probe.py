@@ -1,0 +1,129 @@
+"""Adaptation probe: a fast single-process meta-training sweep point for issue 7 (not the main job).
+
+    .venv/bin/python benchmarks/adaptation_probe.py --manifest DATA/manifest.json --minutes 14 \
+        --hidden 128 --layers 4 --adaptive 2 --prime 256 --inner-lr 1.0 --inner-clip 5.0 \
+        --policy current_round --out benchmarks/results/adaptation_probe/run.json
+
+Trains the single-device TTT model (same model code as the pipeline trainer, trainable scope `all`,
+AdamW + warmup/cosine) on the manifest's train split for a wall-clock budget, then scores the held-out
+memory family: for every `meta.memory_checks` entry, the action of that round must reproduce an earlier
+fact; we report exact match of that whole action (greedy given the real history), its token
+accuracy and NLL, with fast-weight updates (ttt) and without (frozen). Use a manifest prepared with
+`--trim-vocab` (a compact vocabulary makes CPU steps ~5x cheaper). One JSON line of results per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import random
+import time
+
+import torch
+
+from ds_ttt.config import TTTConfig
+from ds_ttt.data.manifest import load_manifest
+from ds_ttt.model.presets import tiny_qwen3_config
+from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+
+
+def to_batch(rendered):
+    t = max(len(r.input_ids) for r in rendered)
+    ids = torch.zeros(len(rendered), t, dtype=torch.long)
+    kinds = torch.full((len(rendered), t), -1)
+    rounds = torch.zeros(len(rendered), t, dtype=torch.long)
+    for i, r in enumerate(rendered):
+        n = len(r.input_ids)
+        ids[i, :n], kinds[i, :n], rounds[i, :n] = torch.tensor(r.input_ids), torch.tensor(r.kinds), torch.tensor(r.rounds)
+        rounds[i, n:] = r.rounds[-1]
+    return ids, kinds, rounds
+
+
+@torch.no_grad()
+def score_memory(model, test, update: bool) -> dict:
+    exact = total = ok_tokens = tokens = 0
+    nll = 0.0
+    for r in test:
+        checks = r.meta.get("memory_checks") or []
+        if r.meta.get("family") != "memory" or not checks:
+            continue
+        records = model.trajectory_loss(*to_batch([r]), update=update, record=True, create_graph=False).records[0]
+        by_round = {e.round: e for e in records}
+        for chk in checks:
+            ev = by_round.get(chk["round"])
+            if ev is None:  # the round was cut by the capacity filter
+                continue
+            act = ev.label_kinds == 1
+            hit = ev.argmax[act] == ev.labels[act]
+            exact += bool(hit.all())
+            total += 1
+            ok_tokens += int(hit.sum())
+            tokens += int(act.sum())
+            nll += float(ev.token_nll[act].sum())
+    return {"exact": exact, "checks": total, "exact_rate": exact / max(total, 1),
+            "token_accuracy": ok_tokens / max(tokens, 1), "nll": nll / max(tokens, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--manifest", required=True)
+    ap.add_argument("--out", required=True, help="JSON file to append this run's results to")
+    ap.add_argument("--minutes", type=float, default=14.0)
+    ap.add_argument("--max-steps", type=int, default=600, help="planned steps (the cosine schedule ends here)")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--adaptive", type=int, default=2)
+    ap.add_argument("--prime", type=int, default=256)
+    ap.add_argument("--inner-lr", type=float, default=1.0)
+    ap.add_argument("--inner-clip", type=float, default=5.0)
+    ap.add_argument("--policy", default="current_round", choices=("full", "window", "current_round"))
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--obs-weight", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    manifest = load_manifest(args.manifest)
+    train, test = manifest.rendered("train"), manifest.rendered("test")
+    vocab = -(-len(manifest.tokenizer()) // 64) * 64
+    cfg = tiny_qwen3_config(num_hidden_layers=args.layers, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4, vocab_size=vocab)
+    ttt = TTTConfig(adaptive_layers=args.adaptive, prime_intermediate_size=args.prime, inner_lr=args.inner_lr,
+                    inner_max_norm=args.inner_clip, context_policy=args.policy, trainable_scope="all",
+                    checkpoint_events=False, obs_loss_weight=args.obs_weight)
+    torch.manual_seed(args.seed)
+    model = TTTQwen3ForCausalLM(cfg, ttt)
+    model.set_trainable_scope()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    rng, start, losses = random.Random(args.seed), time.time(), []
+    planned = args.max_steps
+    step = 0
+    for step in range(planned):
+        warm = max(1, int(0.1 * planned))
+        frac = (step + 1) / warm if step < warm else 0.5 * (1 + math.cos(math.pi * (step - warm) / (planned - warm)))
+        for g in opt.param_groups:
+            g["lr"] = args.lr * frac
+        out = model.trajectory_loss(*to_batch(rng.sample(train, args.batch)))
+        opt.zero_grad()
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(out.loss))
+        if step % 50 == 0:
+            print(f"step {step} loss {losses[-1]:.3f} ({time.time() - start:.0f} s)", flush=True)
+        if time.time() - start > args.minutes * 60:
+            break
+    result = {"args": vars(args), "steps": step + 1, "train_seconds": round(time.time() - start, 1),
+              "final_loss_avg20": sum(losses[-20:]) / len(losses[-20:]),
+              "memory_ttt": score_memory(model, test, True), "memory_frozen": score_memory(model, test, False)}
+    print(json.dumps(result, indent=1))
+    path = pathlib.Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -85,8 +85,13 @@ class TTTConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "ttt") -> "TTTConfig":
         """Build from a JSON dict; unknown keys raise naming them (no silently ignored settings)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        reject_unknown_keys(cls, data, where)
         return cls(**data)
+
+
+def reject_unknown_keys(config_cls, data: dict[str, Any], where: str) -> None:
+    """Raise naming every key of `data` that is not a field of the dataclass `config_cls`."""
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(known)}")

@@ -24,7 +24,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds_ttt.config import TTTConfig
+from ds_ttt.config import TTTConfig, reject_unknown_keys
 
 PIPELINE_KEYS = {"stages", "activation_checkpoint_interval", "use_reentrant", "pipe_partitioned", "grad_partitioned"}
 SCHEDULER = "WarmupCosineLR"
@@ -91,10 +91,7 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "run config") -> "RunConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        reject_unknown_keys(cls, data, where)
         data = dict(data)
         data["ttt"] = TTTConfig.from_dict(data.get("ttt", {}), where=f"{where}: ttt")
         return cls(**data)

@@ -97,9 +97,14 @@ def generate_one(seed: int, index: int, family: str | None = None, keep_dir: str
     rng = random.Random(f"{seed}:{index}")
     family = family or FAMILY_NAMES[rng.randrange(len(FAMILY_NAMES))]
     policy = rng.choice(FAMILIES[family])
+    return _run_episode(f"gen-{seed}-{index:05d}", family, policy.__name__, lambda ep: policy(ep, rng), seed, keep_dir)
+
+
+def _run_episode(traj_id: str, family: str, variant: str, play, seed: int, keep_dir: str | None) -> dict:
+    """Play one scripted episode in a throwaway sandbox and return its canonical trajectory."""
     with Sandbox(parent=keep_dir, keep=keep_dir is not None) as sb:
-        ep = Episode(sb, f"gen-{seed}-{index:05d}", family, policy.__name__)
-        policy(ep, rng)
+        ep = Episode(sb, traj_id, family, variant)
+        play(ep)
         traj = ep.trajectory()
         if keep_dir is not None:
             traj["meta"]["sandbox"] = str(sb.root)
@@ -116,15 +121,8 @@ def generate_memory_world(seed: int, num_distractors: int | None = None, keep_di
     meta.memory_checks = [{"round", "fact", "source_round"}] for the final action that writes both keys.
     """
     rng = random.Random(f"memory-world:{seed}")
-    with Sandbox(parent=keep_dir, keep=keep_dir is not None) as sb:
-        ep = Episode(sb, f"memworld-{seed}", "memory", "memory_world")
-        memory_world(ep, rng, num_distractors=num_distractors)
-        traj = ep.trajectory()
-        if keep_dir is not None:
-            traj["meta"]["sandbox"] = str(sb.root)
-    traj["meta"]["seed"] = seed
-    traj["meta"]["group"] = traj["id"]
-    return traj
+    return _run_episode(f"memworld-{seed}", "memory", "memory_world",
+                        lambda ep: memory_world(ep, rng, num_distractors=num_distractors), seed, keep_dir)
 
 
 def _work(args):

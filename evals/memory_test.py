@@ -1,11 +1,12 @@
 """Memory test: 32 fresh generated worlds, two keys each, read back rounds later (ttt vs frozen).
 
     .venv/bin/python evals/memory_test.py --checkpoint RUN_OR_EXPORT --out MEM [--num-worlds 32] \
-        [--seed-base 1000000] [--device cpu]
+        [--seed-base 1000000] [--device cpu] [--context-policy {full,window,current_round} [--window N]]
 
 Reports x/32 worlds passed (both readbacks exact) and y/64 exact readbacks for ttt and frozen under
-the model's configured context policy; writes MEM/results.json and MEM/summary.md. A readback is
-exact when the `cat` output is predicted greedily from the command, end token included.
+the model's configured context policy (or --context-policy; results record both); writes
+MEM/results.json and MEM/summary.md. A readback is exact when the `cat` output is predicted
+greedily from the command, end token included.
 Details: ds_ttt/evaluation/memory.py, docs/evaluation.md.
 """
 
@@ -19,6 +20,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
+    from ds_ttt.config import CONTEXT_POLICIES
     from ds_ttt.evaluation.memory import MEMORY_SEED_BASE
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -27,11 +29,15 @@ def main(argv=None) -> int:
     p.add_argument("--num-worlds", type=int, default=32)
     p.add_argument("--seed-base", type=int, default=MEMORY_SEED_BASE, help="world seeds are seed_base + i")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--context-policy", choices=CONTEXT_POLICIES, default=None,
+                   help="evaluate under this context policy instead of the model's trained one (recorded with both)")
+    p.add_argument("--window", type=int, default=None,
+                   help="attention window (tokens) for --context-policy window, if the model was not trained with one")
     args = p.parse_args(argv)
     from ds_ttt.evaluation.memory import markdown, run_memory_test
 
     results = run_memory_test(args.checkpoint, args.out, num_worlds=args.num_worlds, seed_base=args.seed_base,
-                              device=args.device)
+                              device=args.device, context_policy=args.context_policy, window=args.window)
     print(markdown(results))
     return 0
 

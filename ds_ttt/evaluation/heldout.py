@@ -1,7 +1,11 @@
 """The held-out evaluation job behind `evals/evaluate.py`: load, check exposure, evaluate, write.
 
     from ds_ttt.evaluation.heldout import run_heldout
-    results = run_heldout("RUN_OR_EXPORT", "DATA/manifest.json", "EVAL")
+    results = run_heldout("RUN_OR_EXPORT", "DATA/manifest.json", "EVAL", context_policy=None)
+
+context_policy: None evaluates under the model's trained policy; "full" / "window" / "current_round"
+replaces it after loading (runner.set_context_policy). Results record both (`context_policy`,
+`context_policy_trained`); the checkpoint provenance (and `config.sha256`) stay the trained ones.
 
 Only the manifest's `test` split is read. The exposure label says whether the model could have seen
 these trajectories in training:
@@ -20,7 +24,7 @@ import datetime
 import pathlib
 
 from ds_ttt.evaluation.report import write_results
-from ds_ttt.evaluation.runner import MODES, evaluate_model
+from ds_ttt.evaluation.runner import MODES, evaluate_model, set_context_policy
 
 RESULTS_FORMAT = "ds_ttt-eval-v1"
 
@@ -71,7 +75,8 @@ def exposure(provenance: dict, manifest, split: str = "test", ids: set[str] | No
 
 
 def run_heldout(checkpoint: str, manifest_path: str, out_dir: str, *, device: str = "cpu", limit: int | None = None,
-                progress: bool = True, modes=MODES, plots: bool = True) -> dict:
+                progress: bool = True, modes=MODES, plots: bool = True, context_policy: str | None = None,
+                window: int | None = None) -> dict:
     from ds_ttt.data.manifest import load_manifest
     from ds_ttt.export import load_for_inference
 
@@ -80,16 +85,21 @@ def run_heldout(checkpoint: str, manifest_path: str, out_dir: str, *, device: st
     if limit is not None:
         trajectories = trajectories[:limit]
     loaded = load_for_inference(checkpoint, device=device)
+    trained_policy = loaded.model.ttt.context_policy
+    if context_policy is not None:
+        set_context_policy(loaded.model, context_policy, window=window)
     tokenizer = manifest.tokenizer()
     results = {
         "format": RESULTS_FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "context_policy": loaded.model.ttt.context_policy,
+        "context_policy_trained": trained_policy,
         "exposure": exposure(loaded.provenance, manifest, ids={t.id for t in trajectories}),
         "checkpoint": loaded.provenance,
         "manifest": {"path": str(pathlib.Path(manifest_path)), "sha256": manifest.sha256, "split": "test",
                      "capacity": manifest.capacity, "limit": limit},
         "config": {"sha256": loaded.provenance.get("config_sha256"), "ttt": loaded.model.ttt.to_dict(),
-                   "context_policy": loaded.model.ttt.context_policy,
+                   "context_policy": loaded.model.ttt.context_policy, "context_policy_trained": trained_policy,
                    "num_hidden_layers": loaded.model.config.num_hidden_layers,
                    "num_adaptive": loaded.model.num_adaptive},
     }

@@ -12,7 +12,9 @@ commands (observed once), runs 1-3 distractor commands, then reads each key back
 A readback is exact when the model predicts that `cat` output greedily from the command, end
 token included (observation exact match of the readback round); a world passes only if both
 readbacks are exact. Reported for ttt and frozen, under the model's configured context policy
-(`current_round`: only the fast weights can carry a key across rounds; `full`: attention can copy it).
+(`current_round`: only the fast weights can carry a key across rounds; `full`: attention can copy it)
+or the one given as `context_policy` (runner.set_context_policy); results record both
+(`context_policy`, `context_policy_trained`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import datetime
 import json
 import pathlib
 
-from ds_ttt.evaluation.runner import MODES, evaluate_trajectory
+from ds_ttt.evaluation.runner import MODES, evaluate_trajectory, set_context_policy
 
 MEMORY_SEED_BASE = 1_000_000
 RESULTS_FORMAT = "ds_ttt-memory-v1"
@@ -89,7 +91,8 @@ def score_worlds(model, worlds: list[dict], tokenizer, *, modes=MODES, device="c
 def markdown(results: dict) -> str:
     lines = ["# Memory test", "",
              f"- {results['num_worlds']} fresh worlds (seeds {results['seeds'][0]}..{results['seeds'][1]}), "
-             f"context policy `{results['context_policy']}`",
+             f"context policy `{results['context_policy']}` (trained: "
+             f"`{results.get('context_policy_trained', results['context_policy'])}`)",
              f"- checkpoint `{results['checkpoint'].get('path')}`, config sha256 {str(results['config_sha256'])[:16]}",
              f"- contamination: {results['contamination'].get('values_found_in_training', 'not checked')}", "",
              "| mode | worlds passed | readbacks exact | memory facts exact |", "|---|---|---|---|"]
@@ -99,10 +102,14 @@ def markdown(results: dict) -> str:
 
 
 def run_memory_test(checkpoint: str, out_dir: str, *, num_worlds: int = 32, seed_base: int = MEMORY_SEED_BASE,
-                    device: str = "cpu", progress: bool = True, modes=MODES) -> dict:
+                    device: str = "cpu", progress: bool = True, modes=MODES, context_policy: str | None = None,
+                    window: int | None = None) -> dict:
     from ds_ttt.export import load_for_inference
 
     loaded = load_for_inference(checkpoint, device=device)
+    trained_policy = loaded.model.ttt.context_policy
+    if context_policy is not None:
+        set_context_policy(loaded.model, context_policy, window=window)
     tokenizer = loaded.tokenizer
     if tokenizer is None:
         from ds_ttt.data.tokenizer import load_tokenizer
@@ -115,6 +122,7 @@ def run_memory_test(checkpoint: str, out_dir: str, *, num_worlds: int = 32, seed
         "num_worlds": num_worlds,
         "seeds": [seed_base, seed_base + num_worlds - 1],
         "context_policy": loaded.model.ttt.context_policy,
+        "context_policy_trained": trained_policy,
         "checkpoint": loaded.provenance,
         "config_sha256": loaded.provenance.get("config_sha256"),
         "contamination": contamination(worlds, loaded.provenance.get("manifest_path")),

@@ -17,6 +17,11 @@ the model holds *before* learning round r's observation:
   memory facts                  (generator memory family, meta.memory_checks [{round, fact}]) the fact's
                                 first occurrence in that round's action is reproduced exactly: every
                                 action token overlapping its characters is the argmax.
+  memory-check round            the round has at least one meta.memory_checks entry: its action must use
+                                an earlier fact. Summaries give the action exact match of these rounds
+                                (the WHOLE action, not only the fact) and their token-weighted action NLL;
+  recovery round                the round is in meta.recovery_rounds (error_recovery family): the action
+                                right after a failing command. Summaries give its token-weighted action NLL.
 Aggregates are token-weighted for NLL/accuracy and round-weighted for exact matches.
 """
 
@@ -43,6 +48,8 @@ class RoundMetrics:
     updated: bool = False
     skipped: bool = False
     memory: list[dict] = field(default_factory=list)  # [{"fact", "source_round", "exact"}]
+    memory_check: bool = False  # the action must use an earlier fact (>= 1 meta.memory_checks entry)
+    recovery: bool = False  # the action right after a failing command (meta.recovery_rounds)
 
     @property
     def action_nll(self) -> float | None:
@@ -85,12 +92,14 @@ def fact_exact(tokenizer, action_ids: list[int], correct: list[bool], fact: str)
     return all(c for c, s, e in zip(correct, offsets[:-1], offsets[1:]) if s < hi and e > lo)
 
 
-def round_metrics(record, *, memory_checks: list[dict] = (), tokenizer=None) -> RoundMetrics:
+def round_metrics(record, *, memory_checks: list[dict] = (), recovery_rounds=(), tokenizer=None) -> RoundMetrics:
     """Metrics of one EventRecord (recorded with every label position of its round)."""
     kinds, labels, nll, argmax = record.label_kinds, record.labels, record.token_nll.double(), record.argmax
     correct = argmax == labels
     act, obs = kinds == ACTION, kinds == OBSERVATION
     m = RoundMetrics(round=int(record.round), updated=bool(record.updated), skipped=bool(record.skipped))
+    m.memory_check = any(int(c["round"]) == m.round for c in memory_checks)
+    m.recovery = m.round in {int(r) for r in recovery_rounds}
     m.action_tokens = int(act.sum())
     if m.action_tokens:
         m.action_nll_sum = float(nll[act].sum())
@@ -122,6 +131,10 @@ def summarize(rounds: list[RoundMetrics]) -> dict:
     a_em = [r.action_exact for r in rounds if r.action_exact is not None]
     o_em = [r.obs_exact for r in rounds if r.obs_exact is not None]
     facts = [f["exact"] for r in rounds for f in r.memory if f["exact"] is not None]
+    mem = [r for r in rounds if r.memory_check and r.action_exact is not None]
+    mem_em = [r.action_exact for r in mem]
+    rec = [r for r in rounds if r.recovery and r.action_tokens]
+    rec_tok = sum(r.action_tokens for r in rec)
 
     def div(a, b):
         return a / b if b else None
@@ -142,6 +155,14 @@ def summarize(rounds: list[RoundMetrics]) -> dict:
         "obs_exact_count": [int(sum(o_em)), len(o_em)],
         "memory_fact_exact": div(sum(facts), len(facts)),
         "memory_fact_count": [int(sum(facts)), len(facts)],
+        # the issue-7 targets: whole-action exact match where an earlier fact is needed, and the action
+        # after a failing command
+        "memory_action_exact": div(sum(mem_em), len(mem_em)),
+        "memory_action_exact_count": [int(sum(mem_em)), len(mem_em)],
+        "memory_action_nll": div(sum(r.action_nll_sum for r in mem), sum(r.action_tokens for r in mem)),
+        "recovery_action_nll": div(sum(r.action_nll_sum for r in rec), rec_tok),
+        "recovery_action_tokens": rec_tok,
+        "recovery_rounds": len(rec),
         "num_updates": sum(r.updated for r in rounds),
         "num_skipped": sum(r.skipped for r in rounds),
     }

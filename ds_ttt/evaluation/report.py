@@ -31,6 +31,9 @@ SUMMARY_ROWS = (
     ("observation NLL after its update", "obs_nll_after", None),
     ("observation exact match (with end token)", "obs_exact", "obs_exact_count"),
     ("memory fact exact", "memory_fact_exact", "memory_fact_count"),
+    ("memory-check action exact match", "memory_action_exact", "memory_action_exact_count"),
+    ("memory-check action NLL", "memory_action_nll", None),
+    ("recovery action NLL (after a failing command)", "recovery_action_nll", None),
 )
 
 
@@ -47,7 +50,8 @@ def markdown_summary(results: dict, title: str = "Held-out evaluation") -> str:
     lines += [f"- checkpoint: `{ck.get('path')}` ({ck.get('kind')}, step {ck.get('step')}, sha256 {str(sha)[:16]})",
               f"- manifest: `{man.get('path')}` (sha256 {str(man.get('sha256'))[:16]}, split {man.get('split')}, "
               f"{results.get('num_trajectories')} trajectories)",
-              f"- config sha256 {str(cfg.get('sha256'))[:16]}, context policy `{cfg.get('context_policy')}`", ""]
+              f"- config sha256 {str(cfg.get('sha256'))[:16]}, context policy `{cfg.get('context_policy')}` "
+              f"(trained: `{cfg.get('context_policy_trained', cfg.get('context_policy'))}`)", ""]
     s = results["summary"]
     lines += ["| metric | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
     for label, key, count in SUMMARY_ROWS:

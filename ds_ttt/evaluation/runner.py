@@ -8,15 +8,45 @@ training event loop with create_graph=False) in an in-memory copy: W starts from
 every trajectory and nothing is written back to the model's parameters. `frozen`: the same pass with
 no updates (W_0 throughout). Both use the model's context policy, so the only difference between
 the two columns is what the fast weights learned from the trajectory so far. Metrics: metrics.py.
+
+`set_context_policy(model, "full")` evaluates a model under another context policy than the one it
+was trained with (e.g. a `current_round` model with full attention: how much of the ttt gain remains
+when attention can see the past).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ds_ttt.evaluation.metrics import RoundMetrics, by_round_index, round_metrics, summarize
 
 MODES = ("ttt", "frozen")
+
+
+def set_context_policy(model, context_policy: str, *, window: int | None = None) -> str:
+    """Replace the model's context policy in place; returns the trained one.
+
+    The model holds it twice: `model.ttt.context_policy` (+ `window`), which the event loop turns into
+    a ContextPolicy on every call, and `model.policy`, built once in __init__ for the whole-sequence
+    prefix pass. Both are replaced, so the result equals a model constructed with the new policy.
+    `window` is needed for "window" unless the model was trained with a window (then it is kept).
+    """
+    from ds_ttt.model.context import ContextPolicy
+
+    trained = model.ttt.context_policy
+    if context_policy == "window":
+        window = window if window is not None else model.ttt.window
+    elif window:
+        raise ValueError(f"window={window} is only used with context_policy='window'")
+    else:
+        window = 0
+    ttt = dataclasses.replace(model.ttt, context_policy=context_policy, window=window)
+    ttt.validate(model.config.num_hidden_layers)
+    model.ttt = ttt
+    model.policy = ContextPolicy.from_ttt(ttt)
+    return trained
 
 
 def evaluate_trajectory(model, traj, mode: str, *, tokenizer=None, device="cpu") -> tuple[list[RoundMetrics], dict]:
@@ -29,7 +59,9 @@ def evaluate_trajectory(model, traj, mode: str, *, tokenizer=None, device="cpu")
     with torch.no_grad():  # the inner step enables grad for W only (see run_event_loop)
         out = model.trajectory_loss(ids, kinds, rounds, create_graph=False, update=(mode == "ttt"), record=True)
     checks = (traj.meta or {}).get("memory_checks") or []
-    metrics = [round_metrics(rec, memory_checks=checks, tokenizer=tokenizer) for rec in out.records[0]]
+    recovery = (traj.meta or {}).get("recovery_rounds") or []
+    metrics = [round_metrics(rec, memory_checks=checks, recovery_rounds=recovery, tokenizer=tokenizer)
+               for rec in out.records[0]]
     return metrics, {"num_updates": out.num_updates, "num_skipped": out.num_skipped}
 
 

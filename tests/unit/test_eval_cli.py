@@ -74,6 +74,7 @@ def test_evaluate_cli_writes_results_summary_plots_and_hashes(data, export_dir, 
     assert res["exposure"]["label"] == "held_out"
     assert res["checkpoint"]["kind"] == "export" and len(res["checkpoint"]["export_sha256"]) == 64
     assert len(res["config"]["sha256"]) == 64 and res["config"]["context_policy"] == "current_round"
+    assert res["context_policy"] == res["context_policy_trained"] == "current_round"
     test_ids = sorted(t["id"] for t in man.trajectories("test"))[:2]
     assert [t["id"] for t in res["trajectories"]] == test_ids  # test split only
     for mode in ("ttt", "frozen"):
@@ -83,6 +84,7 @@ def test_evaluate_cli_writes_results_summary_plots_and_hashes(data, export_dir, 
     assert res["summary"]["ttt"]["num_updates"] > 0 and res["summary"]["frozen"]["obs_nll_after"] is None
     md = (out / "summary.md").read_text()
     assert "| action NLL |" in md and "held_out" in md and man.sha256[:16] in md
+    assert "| memory-check action exact match |" in md and "| recovery action NLL" in md
     for png in ("loss_vs_round.png", "exact_vs_round.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -122,3 +124,24 @@ def test_memory_test_cli_reports_worlds_and_readbacks(export_dir, tmp_path):
     for w in res["worlds"]:
         assert len(w["ttt"]["readbacks_exact"]) == 2 and w["ttt"]["passed"] == all(w["ttt"]["readbacks_exact"])
     assert "| ttt |" in (out / "summary.md").read_text()
+
+
+def test_context_policy_override_is_recorded(data, export_dir, tmp_path):
+    root, _ = data
+    ev, mem = tmp_path / "eval_full", tmp_path / "mem_full"
+    assert load_script("evals/evaluate.py").main(
+        ["--checkpoint", str(export_dir), "--manifest", str(root / "data"), "--out", str(ev), "--limit", "1",
+         "--no-plots", "--context-policy", "full"]) == 0
+    res = json.loads((ev / "results.json").read_text())
+    assert (res["context_policy"], res["context_policy_trained"]) == ("full", "current_round")
+    assert res["config"]["ttt"]["context_policy"] == "full"
+    assert res["config"]["context_policy_trained"] == "current_round"
+    for key in ("memory_action_exact_count", "memory_action_nll", "recovery_action_nll", "recovery_rounds"):
+        assert key in res["summary"]["ttt"]
+    assert "context policy `full` (trained: `current_round`)" in (ev / "summary.md").read_text()
+    assert load_script("evals/memory_test.py").main(
+        ["--checkpoint", str(export_dir), "--out", str(mem), "--num-worlds", "1", "--seed-base", "1000005",
+         "--context-policy", "full"]) == 0
+    res = json.loads((mem / "results.json").read_text())
+    assert (res["context_policy"], res["context_policy_trained"]) == ("full", "current_round")
+    assert "context policy `full` (trained: `current_round`)" in (mem / "summary.md").read_text()

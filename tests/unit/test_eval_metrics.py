@@ -12,8 +12,8 @@ import torch
 
 from ds_ttt.config import TTTConfig
 from ds_ttt.data.render import RenderedTrajectory
-from ds_ttt.evaluation.metrics import fact_exact, observation_end_positions, round_metrics, summarize
-from ds_ttt.evaluation.runner import evaluate_model
+from ds_ttt.evaluation.metrics import RoundMetrics, fact_exact, observation_end_positions, round_metrics, summarize
+from ds_ttt.evaluation.runner import evaluate_model, set_context_policy
 from ds_ttt.model.event_loop import EventRecord
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 
@@ -67,6 +67,35 @@ def test_hand_built_round_known_answers():
     assert s["action_exact_count"] == [1, 2] and s["obs_exact_count"] == [1, 2]
     assert s["obs_nll_after"] == pytest.approx(1.5) and s["obs_nll_before_updated"] == pytest.approx(3.0)
     assert s["memory_fact_count"] == [1, 2] and s["num_updates"] == 1
+
+
+def test_memory_check_and_recovery_rounds_flags_and_summary():
+    kinds, labels = [1, 1, 2], [97, 98, 120]
+    rec = record(3, kinds, labels, labels, [1.0, 1.0, 1.0])
+    m = round_metrics(rec, memory_checks=[{"round": 3, "fact": "a"}, {"round": 3, "fact": "b"}], recovery_rounds=[5])
+    assert (m.memory_check, m.recovery) == (True, False)
+    m = round_metrics(rec, memory_checks=[{"round": 2, "fact": "a"}], recovery_rounds=[3, 5])
+    assert (m.memory_check, m.recovery) == (False, True)
+
+    rounds = [  # hand-built: two memory-check rounds (one exact), two recovery rounds, one plain round
+        RoundMetrics(round=1, action_tokens=4, action_nll_sum=8.0, action_correct=4, action_exact=True),
+        RoundMetrics(round=2, action_tokens=2, action_nll_sum=1.0, action_correct=2, action_exact=True,
+                     memory_check=True),
+        RoundMetrics(round=3, action_tokens=6, action_nll_sum=9.0, action_correct=5, action_exact=False,
+                     memory_check=True),
+        RoundMetrics(round=4, action_tokens=3, action_nll_sum=6.0, action_correct=3, action_exact=True, recovery=True),
+        RoundMetrics(round=5, action_tokens=1, action_nll_sum=4.0, action_correct=0, action_exact=False, recovery=True),
+    ]
+    s = summarize(rounds)
+    assert s["memory_action_exact"] == pytest.approx(0.5) and s["memory_action_exact_count"] == [1, 2]
+    assert s["memory_action_nll"] == pytest.approx(10.0 / 8)  # token-weighted, not the mean of round means
+    assert s["recovery_action_nll"] == pytest.approx(10.0 / 4)
+    assert (s["recovery_action_tokens"], s["recovery_rounds"]) == (4, 2)
+    assert s["action_exact_count"] == [3, 5] and s["action_nll"] == pytest.approx(28.0 / 16)  # unchanged keys
+    empty = summarize(rounds[:1])
+    assert empty["memory_action_exact"] is None and empty["memory_action_exact_count"] == [0, 0]
+    assert empty["memory_action_nll"] is None and empty["recovery_action_nll"] is None
+    assert (empty["recovery_action_tokens"], empty["recovery_rounds"]) == (0, 0)
 
 
 def test_observation_end_positions_and_fact_search():
@@ -126,3 +155,30 @@ def test_frozen_mode_equals_plain_logits_and_ttt_adapts_in_a_copy(tiny_qwen3_con
     row = res["trajectories"][0]
     assert [r["round"] for r in row["ttt"]["rounds"]] == [1, 2, 3] and row["family"] == "memory"
     assert all(math.isfinite(r["action_nll"]) for r in row["frozen"]["rounds"])
+
+
+def test_context_policy_override_equals_a_model_configured_with_it(tiny_qwen3_config):
+    trained = TTTQwen3ForCausalLM(tiny_qwen3_config, TTTConfig(context_policy="current_round"))
+    with torch.no_grad():
+        for layer in trained.adaptive_layers:
+            layer.prime_mlp.down_proj.weight.normal_(0, 0.05)
+    full = TTTQwen3ForCausalLM(tiny_qwen3_config, TTTConfig(context_policy="full"))
+    full.load_state_dict(trained.state_dict())
+    trajs = [tiny_trajectory(seed=1)]
+    res_cur = evaluate_model(trained, trajs, progress=False)
+
+    assert set_context_policy(trained, "full") == "current_round"
+    assert trained.ttt == full.ttt and trained.policy == full.policy
+    res_over, res_full = evaluate_model(trained, trajs, progress=False), evaluate_model(full, trajs, progress=False)
+    for m in ("ttt", "frozen"):
+        assert res_over["summary"][m] == res_full["summary"][m]
+        assert res_over["per_round"][m] == res_full["per_round"][m]
+    # the override matters: attention now sees earlier rounds, which current_round hid
+    frozen_nll = res_cur["summary"]["frozen"]["action_nll"]
+    assert res_over["summary"]["frozen"]["action_nll"] != pytest.approx(frozen_nll, rel=1e-6)
+    set_context_policy(trained, "window", window=5)
+    assert (trained.ttt.context_policy, trained.ttt.window, trained.policy.window) == ("window", 5, 5)
+    with pytest.raises(ValueError, match="window"):
+        set_context_policy(trained, "full", window=3)
+    with pytest.raises(ValueError, match="context_policy"):
+        set_context_policy(full, "everything")

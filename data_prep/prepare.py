@@ -2,7 +2,7 @@
 
     python data_prep/prepare.py --inputs PATHS... --out DIR [--capacity N] [--test-fraction F] [--seed S]
                                 [--allow-rejects] [--model DIR] [--hub-pin PIN.json [--hub-mirror URL|DIR]]
-                                [--trim-vocab]
+                                [--trim-vocab] [--train-only PATHS...]
 
 PATHS: ATIF *.json (continuations `*.cont-N.json` beside their parent), Terminus-2 trial folders,
 OpenAI-messages / canonical *.jsonl, or folders of these. With --hub-pin the pinned files are
@@ -24,6 +24,8 @@ from ds_ttt.data.summary import format_table  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inputs", nargs="*", default=[])
+    ap.add_argument("--train-only", nargs="*", default=[],
+                    help="supplementary trajectories that always go to the train split (the held-out split of --inputs is unchanged)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--capacity", type=int, default=4096, help="max tokens of a retained prefix")
     ap.add_argument("--test-fraction", type=float, default=0.1)
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
         ap.error("no inputs (give --inputs and/or --hub-pin)")
     res = prepare(inputs, args.out, capacity=args.capacity, test_fraction=args.test_fraction, seed=args.seed,
                   allow_rejects=args.allow_rejects, model_dir=args.model, progress=True, hub=hub,
-                  trim_vocab=args.trim_vocab)
+                  trim_vocab=args.trim_vocab, train_only=args.train_only)
     if res.manifest is None:
         print(f"error: {res.message}", file=sys.stderr)
         return res.exit_code
@@ -66,6 +68,7 @@ def main(argv=None) -> int:
     print(format_table([[k, v] for k, v in [
         ("imported", sum(m["imported_by_format"].values())),
         *[(f"  from {k}", v) for k, v in sorted(m["imported_by_format"].items())],
+        ("  of them train-only (--train-only)", m["num_train_only"]),
         ("rejected (rejects.jsonl)", m["num_rejects"]),
         (f"excluded by capacity {m['capacity']}", len(m["excluded_by_capacity"])),
         ("skipped non-trajectory files", len(m["skipped_files"])),

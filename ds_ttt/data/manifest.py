@@ -16,6 +16,11 @@ DIR/
 The sha256 of every input file is recorded under `input_files` (provenance; inputs outside DIR are not
 re-verified on load because they may move).
 
+Supplementary training data (`prepare.py --train-only PATHS`, `prepare(..., train_only=[...])`) is
+imported and rendered the same way but always goes to the train split: it can enlarge the training mix
+(say, more episodes of one family) without touching the held-out split of the main inputs. Its ids must
+not collide with the main inputs' ids; the manifest lists these inputs under `train_only_inputs`.
+
 Split: by `meta.group` (continuation parts of one session share a group), test iff
 sha256(f"{seed}:{group}") / 2**256 < test_fraction — independent of input order and of the other
 trajectories, so adding data never moves an existing trajectory across the split. If that leaves a
@@ -76,6 +81,13 @@ def assign_splits(trajs: list[dict], test_fraction: float, seed: int) -> dict[st
     return out
 
 
+def _split(trajs: list[dict], train_only_ids: set[str], test_fraction: float, seed: int) -> dict[str, list[dict]]:
+    """assign_splits over the main inputs; supplementary (train-only) trajectories join train."""
+    out = assign_splits([t for t in trajs if t["id"] not in train_only_ids], test_fraction, seed)
+    out["train"] = sorted(out["train"] + [t for t in trajs if t["id"] in train_only_ids], key=lambda t: t["id"])
+    return out
+
+
 def _write_jsonl(path: Path, records: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in records:
@@ -117,7 +129,8 @@ class PrepareResult:
 
 def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, test_fraction: float = 0.1, seed: int = 0,
             allow_rejects: bool = False, model_dir: str | None = None, progress: bool = False,
-            hub: dict | None = None, trim_vocab: bool = False) -> PrepareResult:
+            hub: dict | None = None, trim_vocab: bool = False,
+            train_only: list[str | Path] = ()) -> PrepareResult:
     """Import, validate, render, capacity-filter, split and write DIR (see module docstring).
 
     With rejects and not `allow_rejects`, only rejects.jsonl is written and exit_code is 1.
@@ -125,6 +138,20 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     imported = import_inputs(inputs)
+    extra_ids: set[str] = set()
+    if train_only:
+        extra = import_inputs(train_only)
+        base_keys = {t["id"] for t in imported.trajectories} | {t["meta"]["group"] for t in imported.trajectories}
+        clash = sorted(base_keys & ({t["id"] for t in extra.trajectories} | {t["meta"]["group"] for t in extra.trajectories}))
+        if clash:
+            raise ValueError(f"--train-only inputs {[str(p) for p in train_only]} reuse {len(clash)} trajectory id(s) or group(s) of "
+                             f"--inputs (first: {clash[0]!r}); generate them with another seed")
+        extra_ids = {t["id"] for t in extra.trajectories}
+        imported.trajectories.extend(extra.trajectories)
+        imported.rejects.extend(extra.rejects)
+        imported.skipped.extend(extra.skipped)
+        for fmt, n in extra.counts_by_format.items():
+            imported.counts_by_format[fmt] = imported.counts_by_format.get(fmt, 0) + n
     rejects_path = out / "rejects.jsonl"
     _write_jsonl(rejects_path, [r.to_dict() for r in imported.rejects])
     if imported.rejects and not allow_rejects:
@@ -146,7 +173,7 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
     qwen3_ids = None
     if trim_vocab:
         # The train side of the split decides the vocabulary (the test side only falls back to kept pieces).
-        train_side = assign_splits(trajectories, test_fraction, seed)["train"]
+        train_side = _split(trajectories, extra_ids, test_fraction, seed)["train"]
         tok, qwen3_ids = trim_tokenizer(tok, (render_trajectory(t, tok).input_ids for t in train_side))
     tok_dir = out / "tokenizer"
     if tok_dir.exists():
@@ -168,7 +195,7 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
             continue
         kept.append(t)
         rendered_by_id[t["id"]] = prefix
-    splits = assign_splits(kept, test_fraction, seed)
+    splits = _split(kept, extra_ids, test_fraction, seed)
     ids = {s: {t["id"] for t in splits[s]} for s in SPLITS}
     groups = {s: {t["meta"]["group"] for t in splits[s]} for s in SPLITS}
     overlap = {"ids": len(ids["train"] & ids["test"]), "groups": len(groups["train"] & groups["test"])}
@@ -181,7 +208,7 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
     files = {p.relative_to(out).as_posix(): sha256_file(p) for p in sorted([out / f"{s}.jsonl" for s in SPLITS] + [rejects_path] + list(tok_dir.rglob("*"))) if p.is_file()}
     # provenance: the sha256 of every input file; inputs stored inside DIR (hub downloads) are verified on load too
     input_files = {}
-    for root in inputs:
+    for root in list(inputs) + list(train_only):
         root = Path(root)
         for p in sorted(root.rglob("*")) if root.is_dir() else [root]:
             if p.is_file():
@@ -203,6 +230,8 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
         "imported_by_format": imported.counts_by_format,
         "split_check": {"overlap_ids": overlap["ids"], "overlap_groups": overlap["groups"]},
         "inputs": [str(p) for p in inputs],
+        "train_only_inputs": [str(p) for p in train_only],
+        "num_train_only": len(extra_ids & {t["id"] for t in splits["train"]}),
         "input_files": input_files,
     }
     if hub:

@@ -225,3 +225,28 @@ def test_prepare_cli_with_hub_pin(mirror, tmp_path):
     with pytest.raises(ManifestError, match="raw/data/train.jsonl"):
         load_manifest(out)
     assert cli.main(["--hub-pin", str(pin), "--hub-mirror", "http://127.0.0.1:9", "--hub-timeout", "1", "--out", str(out)]) == 2
+
+
+def test_train_only_inputs_join_train_and_leave_the_test_split_alone(raw, prepared, tmp_path):
+    extra = tmp_path / "extra.jsonl"
+    with open(extra, "w") as f:
+        for t in generate(6, 77, workers=1, family="memory"):
+            f.write(json.dumps(t) + "\n")
+    out = tmp_path / "aug"
+    res = prepare([raw], out, capacity=700, test_fraction=0.25, seed=3, train_only=[extra])
+    assert res.exit_code == 0, res.message
+    base, aug = load_manifest(prepared), load_manifest(out)
+    assert aug.ids("test") == base.ids("test")  # the held-out split does not move
+    extra_ids = {json.loads(line)["id"] for line in extra.read_text().splitlines()}
+    assert aug.ids("train") == base.ids("train") | extra_ids
+    assert aug.data["num_train_only"] == 6 and aug.data["train_only_inputs"] == [str(extra)]
+    assert str(extra) in aug.data["input_files"]
+
+
+def test_train_only_ids_may_not_collide_with_the_inputs(raw, tmp_path):
+    clash = tmp_path / "clash.jsonl"
+    with open(clash, "w") as f:
+        for t in generate(2, 5, workers=1):  # the same seed as `raw`: the same ids
+            f.write(json.dumps(t) + "\n")
+    with pytest.raises(ValueError, match=r"reuse 2 trajectory id\(s\) or group\(s\).*another seed"):
+        prepare([raw], tmp_path / "out", capacity=700, test_fraction=0.25, seed=3, train_only=[clash])

@@ -66,6 +66,33 @@ def score_memory(model, test, update: bool) -> dict:
             "token_accuracy": ok_tokens / max(tokens, 1), "nll": nll / max(tokens, 1)}
 
 
+@torch.no_grad()
+def score_recovery(model, test, update: bool) -> dict:
+    """Action NLL of the round after each failing command (error_recovery family, meta.recovery_rounds)."""
+    nll, tokens = 0.0, 0
+    for r in test:
+        rounds = r.meta.get("recovery_rounds") or []
+        if r.meta.get("family") != "error_recovery" or not rounds:
+            continue
+        records = model.trajectory_loss(*to_batch([r]), update=update, record=True, create_graph=False).records[0]
+        by_round = {e.round: e for e in records}
+        for k in rounds:
+            ev = by_round.get(k)
+            if ev is None:
+                continue
+            act = ev.label_kinds == 1
+            nll += float(ev.token_nll[act].sum())
+            tokens += int(act.sum())
+    return {"nll": nll / max(tokens, 1), "tokens": tokens}
+
+
+def score_worlds_summary(model, tokenizer, num_worlds: int) -> dict:
+    from ds_ttt.evaluation.memory import memory_worlds, score_worlds
+
+    res = score_worlds(model, memory_worlds(num_worlds), tokenizer, progress=False)
+    return {m: {k: s[k] for k in ("worlds", "readbacks", "facts_exact", "num_facts")} for m, s in res["summary"].items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--manifest", required=True)
@@ -82,7 +109,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--obs-weight", type=float, default=0.0)
+    ap.add_argument("--prime-init-std", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--memory-worlds", type=int, default=32, help="memory-test worlds to score at the end (0: skip)")
+    ap.add_argument("--eval-every", type=int, default=0, help="also score the memory checks every N steps (0: only at the end)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     manifest = load_manifest(args.manifest)
@@ -92,7 +122,8 @@ def main() -> None:
                             num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden // 4, vocab_size=vocab)
     ttt = TTTConfig(adaptive_layers=args.adaptive, prime_intermediate_size=args.prime, inner_lr=args.inner_lr,
                     inner_max_norm=args.inner_clip, context_policy=args.policy, trainable_scope="all",
-                    checkpoint_events=False, obs_loss_weight=args.obs_weight)
+                    checkpoint_events=False, obs_loss_weight=args.obs_weight,
+                    prime_init_std=args.prime_init_std)
     torch.manual_seed(args.seed)
     model = TTTQwen3ForCausalLM(cfg, ttt)
     model.set_trainable_scope()
@@ -112,12 +143,20 @@ def main() -> None:
         opt.step()
         losses.append(float(out.loss))
         if step % 50 == 0:
-            print(f"step {step} loss {losses[-1]:.3f} ({time.time() - start:.0f} s)", flush=True)
+            print(f"step {step} loss {sum(losses[-50:]) / len(losses[-50:]):.3f} ({time.time() - start:.0f} s)", flush=True)
+        if args.eval_every and step and step % args.eval_every == 0:
+            model.eval()
+            print(f"step {step} memory ttt {score_memory(model, test, True)} frozen {score_memory(model, test, False)}", flush=True)
+            model.train()
         if time.time() - start > args.minutes * 60:
             break
+    model.eval()
     result = {"args": vars(args), "steps": step + 1, "train_seconds": round(time.time() - start, 1),
               "final_loss_avg20": sum(losses[-20:]) / len(losses[-20:]),
-              "memory_ttt": score_memory(model, test, True), "memory_frozen": score_memory(model, test, False)}
+              "memory_ttt": score_memory(model, test, True), "memory_frozen": score_memory(model, test, False),
+              "recovery_ttt": score_recovery(model, test, True), "recovery_frozen": score_recovery(model, test, False)}
+    if args.memory_worlds:
+        result["memory_worlds"] = score_worlds_summary(model, manifest.tokenizer(), args.memory_worlds)
     print(json.dumps(result, indent=1))
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,11 @@ class TTTConfig:
     attention_backend: attention of the adaptive layers (must be twice differentiable).
     trainable_scope: which backbone parameters the outer optimizer trains besides the prime MLPs.
     obs_loss_weight: weight of the pre-update observation loss in the outer objective (TTT-E2E style).
+    prime_init_std: std of the prime gate/up projections at init (None -> the backbone's
+        initializer_range). The down projection starts at zero, so this leaves W_0's output unchanged,
+        but what one inner step stores grows with the prime activations' norm squared (the update of
+        down is an outer product with them): a larger value starts the memory strong instead of
+        leaving the outer loop to grow it from ~0.
     """
 
     adaptive_layers: int | None = None
@@ -46,6 +51,7 @@ class TTTConfig:
     attention_backend: str = "reference"
     trainable_scope: str = "prime"
     obs_loss_weight: float = 0.0
+    prime_init_std: float | None = None
 
     def validate(self, num_hidden_layers: int | None = None) -> "TTTConfig":
         """Check every field; with `num_hidden_layers`, also the layer count. Returns self."""
@@ -73,6 +79,8 @@ class TTTConfig:
             raise ValueError(f"ttt.trainable_scope must be one of {TRAINABLE_SCOPES}, got {self.trainable_scope!r}")
         if self.obs_loss_weight < 0:
             raise ValueError(f"ttt.obs_loss_weight must be >= 0, got {self.obs_loss_weight}")
+        if self.prime_init_std is not None and not (0.0 < self.prime_init_std < float("inf")):
+            raise ValueError(f"ttt.prime_init_std must be a positive number or null, got {self.prime_init_std!r}")
         return self
 
     def num_adaptive(self, num_hidden_layers: int) -> int:

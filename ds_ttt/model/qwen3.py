@@ -171,7 +171,8 @@ class TTTQwen3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float | None = None) -> None:
-        """HF-style init: normal(0, initializer_range) linears/embeddings, ones for norms, zero prime down."""
+        """HF-style init: normal(0, initializer_range) linears/embeddings, ones for norms, zero prime down
+        (prime gate/up: normal(0, ttt.prime_init_std) when that is set)."""
         std = self.config.initializer_range if std is None else std
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -179,6 +180,9 @@ class TTTQwen3ForCausalLM(nn.Module):
             elif isinstance(module, Qwen3RMSNorm):
                 module.weight.fill_(1.0)
         for layer in self.adaptive_layers:
+            if self.ttt.prime_init_std is not None:
+                layer.prime_mlp.gate_proj.weight.normal_(0.0, self.ttt.prime_init_std)
+                layer.prime_mlp.up_proj.weight.normal_(0.0, self.ttt.prime_init_std)
             layer.prime_mlp.down_proj.weight.zero_()
 
     # ---- forward passes ----------------------------------------------------------------------

@@ -51,8 +51,9 @@ def is_trainable(hf_name: str, scope: str, first_adaptive: int) -> bool:
     return ".prime_" in hf_name
 
 
-def init_weights(module: nn.Module, std: float) -> None:
-    """TTTQwen3ForCausalLM.reset_parameters for one pipeline layer (prime down projections at zero)."""
+def init_weights(module: nn.Module, std: float, prime_std: float | None = None) -> None:
+    """TTTQwen3ForCausalLM.reset_parameters for one pipeline layer (prime down projections at zero,
+    prime gate/up at `prime_std` when given)."""
     with torch.no_grad():
         for name, m in module.named_modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -61,6 +62,9 @@ def init_weights(module: nn.Module, std: float) -> None:
                 m.weight.fill_(1.0)
         for name, m in module.named_modules():
             if name.endswith("prime_mlp"):
+                if prime_std is not None:
+                    m.gate_proj.weight.normal_(0.0, prime_std)
+                    m.up_proj.weight.normal_(0.0, prime_std)
                 m.down_proj.weight.zero_()
 
 
@@ -68,7 +72,7 @@ class _PipeLayer(nn.Module):
     """Shared: scope-based requires_grad, optional stage anchor, HF-style init."""
 
     def _finish(self, config: Qwen3Config, ttt: TTTConfig, first_adaptive: int, anchor: bool, name_map) -> None:
-        init_weights(self, config.initializer_range)
+        init_weights(self, config.initializer_range, ttt.prime_init_std)
         for local, p in self.named_parameters():
             p.requires_grad_(is_trainable(name_map(local), ttt.trainable_scope, first_adaptive))
         if anchor:  # shape (1,): a 0-dim parameter crashes deepspeed.initialize

@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PYTHON="${PYTHON:-python3}"
+setup_t0=$(date +%s)
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
@@ -15,3 +16,5 @@ fi
 .venv/bin/python -m pip install -q -r requirements/cpu.txt
 .venv/bin/python -m pip install -q --no-deps -e .
 .venv/bin/python -c "import torch, deepspeed, transformers; print(f'[setup] torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}')"
+# launch/main.sh counts this in the main command's wall time when it starts right after setup
+echo $(( $(date +%s) - setup_t0 )) > .venv/.setup_seconds

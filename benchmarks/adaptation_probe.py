@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--obs-weight", type=float, default=0.0)
     ap.add_argument("--prime-init-std", type=float, default=None)
+    ap.add_argument("--save", default=None, help="also save the trained model's state_dict and configs here (torch.save)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--memory-worlds", type=int, default=32, help="memory-test worlds to score at the end (0: skip)")
     ap.add_argument("--eval-every", type=int, default=0, help="also score the memory checks every N steps (0: only at the end)")
@@ -158,6 +159,8 @@ def main() -> None:
     if args.memory_worlds:
         result["memory_worlds"] = score_worlds_summary(model, manifest.tokenizer(), args.memory_worlds)
     print(json.dumps(result, indent=1))
+    if args.save:
+        torch.save({"state_dict": model.state_dict(), "config": cfg.to_dict(), "ttt": ttt.to_dict()}, args.save)
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:

@@ -10,7 +10,7 @@
 #   NUM_TRAJ (300)   trajectories of the main corpus; 10% of them (by group hash) are the held-out split
 #   NUM_EXTRA (600)  extra memory-family episodes, another seed, added to the train split only
 #                    (prepare.py --train-only: the held-out split stays exactly the main corpus's)
-#   SEED (0), MAX_STEPS (1000), DS_CONFIG (ds_configs/cpu_tiny.json), RUN_CONFIG (ds_configs/run_cpu_tiny.json)
+#   SEED (0), MAX_STEPS (1400), DS_CONFIG (ds_configs/cpu_tiny.json), RUN_CONFIG (ds_configs/run_cpu_tiny.json)
 #   REPORT (WORK_DIR/adaptation.json)  where the adaptation report goes
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,7 +19,7 @@ NUM_TRAJ="${NUM_TRAJ:-300}"
 NUM_EXTRA="${NUM_EXTRA:-600}"
 SEED="${SEED:-0}"
 EXTRA_SEED=$((SEED + 1))
-MAX_STEPS="${MAX_STEPS:-1000}"
+MAX_STEPS="${MAX_STEPS:-1400}"
 DS_CONFIG="${DS_CONFIG:-ds_configs/cpu_tiny.json}"
 RUN_CONFIG="${RUN_CONFIG:-ds_configs/run_cpu_tiny.json}"
 REPORT="${REPORT:-$WORK/adaptation.json}"

@@ -34,6 +34,9 @@ class TTTConfig:
     attention_backend: attention of the adaptive layers (must be twice differentiable).
     trainable_scope: which backbone parameters the outer optimizer trains besides the prime MLPs.
     obs_loss_weight: weight of the pre-update observation loss in the outer objective (TTT-E2E style).
+    obs_loss_with_end: the observation loss (inner step and outer term) also covers the token right
+        after each observation span, the one that closes the terminal output. Without it the fast
+        weights store an output's content but never where it ends, so a recalled output runs on.
     prime_init_std: std of the prime gate/up projections at init (None -> the backbone's
         initializer_range). The down projection starts at zero, so this leaves W_0's output unchanged,
         but what one inner step stores grows with the prime activations' norm squared (the update of
@@ -52,6 +55,7 @@ class TTTConfig:
     trainable_scope: str = "prime"
     obs_loss_weight: float = 0.0
     prime_init_std: float | None = None
+    obs_loss_with_end: bool = False
 
     def validate(self, num_hidden_layers: int | None = None) -> "TTTConfig":
         """Check every field; with `num_hidden_layers`, also the layer count. Returns self."""
@@ -79,6 +83,8 @@ class TTTConfig:
             raise ValueError(f"ttt.trainable_scope must be one of {TRAINABLE_SCOPES}, got {self.trainable_scope!r}")
         if self.obs_loss_weight < 0:
             raise ValueError(f"ttt.obs_loss_weight must be >= 0, got {self.obs_loss_weight}")
+        if not isinstance(self.obs_loss_with_end, bool):
+            raise ValueError(f"ttt.obs_loss_with_end must be true or false, got {self.obs_loss_with_end!r}")
         if self.prime_init_std is not None and not (0.0 < self.prime_init_std < float("inf")):
             raise ValueError(f"ttt.prime_init_std must be a positive number or null, got {self.prime_init_std!r}")
         return self

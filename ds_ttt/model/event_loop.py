@@ -129,6 +129,18 @@ def _nll(suffix: SuffixModules, hidden_1TC, label_idx, labels, in_graph=None):
     return F.cross_entropy(logits, labels, reduction="none"), logits
 
 
+def observation_labels(label_kinds: torch.Tensor, *, with_end: bool) -> torch.Tensor:
+    """Which labels of one round the observation loss covers: the observation tokens, and with
+    `with_end` also the label right after each observation span (the token that closes the terminal
+    output), so the inner step also stores where an output ends."""
+    obs = label_kinds == OBSERVATION
+    if not with_end:
+        return obs
+    closes = torch.zeros_like(obs)
+    closes[1:] = obs[:-1] & (label_kinds[1:] == CONTEXT)  # never an action token, never padding
+    return obs | closes
+
+
 def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tensor, input_ids_BT: torch.Tensor,
                    kinds_BT: torch.Tensor, rounds_BT: torch.Tensor, *, create_graph: bool, update: bool = True,
                    record: bool = False, fast_weights: FastWeights | None = None) -> EventLoopOutput:
@@ -160,9 +172,11 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
             round_id = int(rounds[start])
             label_idx = torch.arange(start, min(end, n - 1), device=ids.device)
             lk = label_kinds[label_idx]
-            wanted = label_idx if record else label_idx[(lk == ACTION) | (lk == OBSERVATION)]
+            obs_like = observation_labels(lk, with_end=ttt.obs_loss_with_end)
+            wanted = label_idx if record else label_idx[(lk == ACTION) | obs_like]
             local, tgt = wanted - start, labels[wanted]
-            act_mask, obs_mask = label_kinds[wanted] == ACTION, label_kinds[wanted] == OBSERVATION
+            act_mask, obs_mask = label_kinds[wanted] == ACTION, obs_like[wanted - start]
+            pure_obs = label_kinds[wanted] == OBSERVATION  # the metrics' observation tokens
             k_obs = int(obs_mask.sum())
             do_update = can_update and k_obs > 0
             positions = torch.arange(start, end, device=ids.device)[None]
@@ -211,7 +225,7 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
                 after = None
                 if do_update and not skipped:
                     with torch.no_grad():
-                        after = score(h_event, new_weights, flat_in)[0][obs_mask].cpu()
+                        after = score(h_event, new_weights, flat_in)[0][pure_obs].cpu()
                 records.append(EventRecord(
                     round=round_id, label_positions=wanted.cpu(), labels=tgt.cpu(),
                     label_kinds=label_kinds[wanted].cpu(), token_nll=out[-2].cpu(), argmax=out[-1].cpu(),

@@ -305,9 +305,11 @@ class AgentSession:
         obs_ids, obs_kinds = render_observation(outputs, self.tokenizer)
         round_ids = s.ids[s.round_start:] + obs_ids
         round_kinds = s.kinds[s.round_start:] + obs_kinds
-        want = [j for j in range(len(round_ids) - 1) if round_kinds[j + 1] == OBSERVATION]
-        labels = torch.tensor([round_ids[j + 1] for j in want], dtype=torch.long, device=self.agent.device)
         ttt = self.model.ttt
+        # the labels of the training loop's observation loss (event_loop.observation_labels)
+        want = [j for j in range(len(round_ids) - 1) if round_kinds[j + 1] == OBSERVATION
+                or (ttt.obs_loss_with_end and j > 0 and round_kinds[j] == OBSERVATION and round_kinds[j + 1] == CONTEXT)]
+        labels = torch.tensor([round_ids[j + 1] for j in want], dtype=torch.long, device=self.agent.device)
         can_update = bool(want) and len(s.weights) > 0 and ttt.inner_lr > 0
         new_w, obs_nll, updated, skipped, after = s.weights, None, False, False, None
         with torch.enable_grad() if can_update else torch.no_grad():

@@ -266,3 +266,48 @@ def test_record_mode_scores_every_position_and_keeps_the_loss(tiny_qwen3_config)
     rec = model.trajectory_loss(ids, kinds, rounds, create_graph=False, record=True)
     torch.testing.assert_close(plain.loss, rec.loss)
     assert sum(len(e.labels) for e in rec.records[0]) == ids.shape[1] - 1
+
+
+def test_prime_init_std_scales_only_the_prime_gate_and_up(tiny_qwen3_config):
+    base = make_model(tiny_qwen3_config, perturb_prime=False, adaptive_layers=2)
+    wide = make_model(tiny_qwen3_config, perturb_prime=False, adaptive_layers=2, prime_init_std=0.5)
+    for (name, p), (_, q) in zip(base.named_parameters(), wide.named_parameters()):
+        if ".prime_mlp.gate_proj" in name or ".prime_mlp.up_proj" in name:
+            assert 0.4 < float(q.std()) < 0.6 and float(p.std()) < 0.05, name
+        else:  # the prime re-init comes last, so every other tensor is drawn identically
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    ids, kinds, rounds = trajectory()
+    with torch.no_grad():  # down_proj is zero: W_0 computes the same function
+        torch.testing.assert_close(base(ids), wide(ids), rtol=0, atol=0)
+        # ...but not the same inner step: the update of down is an outer product with the prime activations
+        nb = base.trajectory_loss(ids, kinds, rounds, create_graph=False, record=True).records[0]
+        nw = wide.trajectory_loss(ids, kinds, rounds, create_graph=False, record=True).records[0]
+    moved = [float((w.obs_nll_after - b.obs_nll_after).abs().max()) for b, w in zip(nb, nw) if b.obs_nll_after is not None]
+    assert moved and max(moved) > 0
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, float("inf")])
+def test_prime_init_std_is_validated(bad):
+    with pytest.raises(ValueError, match="prime_init_std"):
+        TTTConfig(prime_init_std=bad).validate()
+
+
+def test_observation_labels_with_end_add_the_closing_token_only():
+    from ds_ttt.model.event_loop import observation_labels
+
+    kinds = torch.tensor([0, 2, 2, 0, 0, 1, 2, 0, 2, 1, -1])
+    assert observation_labels(kinds, with_end=False).tolist() == (kinds == 2).tolist()
+    got = observation_labels(kinds, with_end=True).nonzero().squeeze(1).tolist()
+    assert got == [1, 2, 3, 6, 7, 8]  # an observation followed by an action adds nothing
+
+
+def test_obs_loss_with_end_changes_only_the_observation_term(tiny_qwen3_config):
+    ids, kinds, rounds = trajectory()
+    outs = {}
+    for with_end in (False, True):
+        model = make_model(tiny_qwen3_config, adaptive_layers=2, obs_loss_with_end=with_end, obs_loss_weight=1.0)
+        with torch.no_grad():
+            outs[with_end] = model.trajectory_loss(ids, kinds, rounds, create_graph=False, update=False)
+    # ROUND has one observation span closed by a context token per round: one extra label per round
+    assert outs[True].num_obs_tokens == outs[False].num_obs_tokens + 3
+    torch.testing.assert_close(outs[True].action_nll_sum, outs[False].action_nll_sum)

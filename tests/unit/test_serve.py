@@ -114,6 +114,23 @@ def test_session_replay_equals_evaluate_ttt_mode(policy, trajectory, tok, export
     assert any((a - b).abs().max() > 0 for a, b in zip(session.fast_weights, agent.model.initial_fast_weights()))
 
 
+def test_session_inner_step_with_observation_end_equals_training(trajectory, tok):
+    rendered = render_trajectory(trajectory, tok)
+    ids, kinds, rounds = (torch.tensor([x]) for x in (rendered.input_ids, rendered.kinds, rendered.rounds))
+    finals = {}
+    for with_end in (False, True):
+        agent = AgentModel(make_model(context_policy="current_round", obs_loss_with_end=with_end), tok)
+        session = AgentSession(agent)
+        replay(session, trajectory)
+        with torch.no_grad():
+            out = agent.model.trajectory_loss(ids, kinds, rounds, create_graph=False)
+        for a, b in zip(session.fast_weights, out.final_weights[0]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        finals[with_end] = session.fast_weights
+    # the closing token is a real extra label: the adapted weights differ
+    assert any((a - b).abs().max() > 1e-6 for a, b in zip(finals[False], finals[True]))
+
+
 def test_greedy_generation_equals_full_forward_and_errors_keep_state(tok):
     agent = AgentModel(make_model(context_policy="current_round"), tok)
     session = AgentSession(agent)

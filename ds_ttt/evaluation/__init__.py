@@ -5,5 +5,6 @@
   heldout.py   run_heldout: the evals/evaluate.py job (test split, exposure label, hashes, outputs)
   memory.py    run_memory_test: the evals/memory_test.py job (32 fresh memory worlds)
   report.py    results.json, summary.md, PNG plots
+  adaptation.py  the issue-7 report (evals/adaptation_report.py): targets, current-round vs full context
 See docs/evaluation.md.
 """

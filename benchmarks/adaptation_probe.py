@@ -41,27 +41,30 @@ def to_batch(rendered):
     return ids, kinds, rounds
 
 
+def scored_rounds(model, test, family: str, rounds_of, update: bool):
+    """The EventRecord of every listed round (`rounds_of(meta)`, one entry per check, repeats kept) of
+    the test trajectories of `family`; rounds cut by the capacity filter are skipped."""
+    for r in test:
+        wanted = rounds_of(r.meta) if r.meta.get("family") == family else []
+        if not wanted:
+            continue
+        records = model.trajectory_loss(*to_batch([r]), update=update, record=True, create_graph=False).records[0]
+        by_round = {e.round: e for e in records}
+        yield from (by_round[k] for k in wanted if k in by_round)
+
+
 @torch.no_grad()
 def score_memory(model, test, update: bool) -> dict:
     exact = total = ok_tokens = tokens = 0
     nll = 0.0
-    for r in test:
-        checks = r.meta.get("memory_checks") or []
-        if r.meta.get("family") != "memory" or not checks:
-            continue
-        records = model.trajectory_loss(*to_batch([r]), update=update, record=True, create_graph=False).records[0]
-        by_round = {e.round: e for e in records}
-        for chk in checks:
-            ev = by_round.get(chk["round"])
-            if ev is None:  # the round was cut by the capacity filter
-                continue
-            act = ev.label_kinds == 1
-            hit = ev.argmax[act] == ev.labels[act]
-            exact += bool(hit.all())
-            total += 1
-            ok_tokens += int(hit.sum())
-            tokens += int(act.sum())
-            nll += float(ev.token_nll[act].sum())
+    for ev in scored_rounds(model, test, "memory", lambda m: [c["round"] for c in m.get("memory_checks") or []], update):
+        act = ev.label_kinds == 1
+        hit = ev.argmax[act] == ev.labels[act]
+        exact += bool(hit.all())
+        total += 1
+        ok_tokens += int(hit.sum())
+        tokens += int(act.sum())
+        nll += float(ev.token_nll[act].sum())
     return {"exact": exact, "checks": total, "exact_rate": exact / max(total, 1),
             "token_accuracy": ok_tokens / max(tokens, 1), "nll": nll / max(tokens, 1)}
 
@@ -70,19 +73,10 @@ def score_memory(model, test, update: bool) -> dict:
 def score_recovery(model, test, update: bool) -> dict:
     """Action NLL of the round after each failing command (error_recovery family, meta.recovery_rounds)."""
     nll, tokens = 0.0, 0
-    for r in test:
-        rounds = r.meta.get("recovery_rounds") or []
-        if r.meta.get("family") != "error_recovery" or not rounds:
-            continue
-        records = model.trajectory_loss(*to_batch([r]), update=update, record=True, create_graph=False).records[0]
-        by_round = {e.round: e for e in records}
-        for k in rounds:
-            ev = by_round.get(k)
-            if ev is None:
-                continue
-            act = ev.label_kinds == 1
-            nll += float(ev.token_nll[act].sum())
-            tokens += int(act.sum())
+    for ev in scored_rounds(model, test, "error_recovery", lambda m: m.get("recovery_rounds") or [], update):
+        act = ev.label_kinds == 1
+        nll += float(ev.token_nll[act].sum())
+        tokens += int(act.sum())
     return {"nll": nll / max(tokens, 1), "tokens": tokens}
 
 

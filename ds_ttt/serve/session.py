@@ -38,7 +38,7 @@ from ds_ttt.data.render import (
     parse_assistant_message, render_action, render_action_end, render_generation_prompt, render_observation,
     render_trajectory)
 from ds_ttt.model.context import LayerCache
-from ds_ttt.model.event_loop import forward_event
+from ds_ttt.model.event_loop import forward_event, observation_labels
 from ds_ttt.model.fast_weights import inner_sgd_step
 
 CONTEXT, ACTION, OBSERVATION = 0, 1, 2
@@ -306,9 +306,8 @@ class AgentSession:
         round_ids = s.ids[s.round_start:] + obs_ids
         round_kinds = s.kinds[s.round_start:] + obs_kinds
         ttt = self.model.ttt
-        # the labels of the training loop's observation loss (event_loop.observation_labels)
-        want = [j for j in range(len(round_ids) - 1) if round_kinds[j + 1] == OBSERVATION
-                or (ttt.obs_loss_with_end and j > 0 and round_kinds[j] == OBSERVATION and round_kinds[j + 1] == CONTEXT)]
+        # the labels of the training loop's observation loss (label j predicts token j + 1)
+        want = observation_labels(torch.tensor(round_kinds[1:]), with_end=ttt.obs_loss_with_end).nonzero().flatten().tolist()
         labels = torch.tensor([round_ids[j + 1] for j in want], dtype=torch.long, device=self.agent.device)
         can_update = bool(want) and len(s.weights) > 0 and ttt.inner_lr > 0
         new_w, obs_nll, updated, skipped, after = s.weights, None, False, False, None

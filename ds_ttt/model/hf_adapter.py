@@ -65,10 +65,14 @@ def load_qwen3_config(model_dir: str | pathlib.Path) -> Qwen3Config:
 
 @torch.no_grad()
 def load_backbone_weights(model: TTTQwen3ForCausalLM, model_dir: str | pathlib.Path) -> list[str]:
-    """Copy a checkpoint's tensors into `model`; returns the (prime) parameters left at their init."""
+    """Copy a checkpoint's tensors into `model`; returns the (prime) parameters left at their init.
+
+    A tied model (`tie_word_embeddings`) has one parameter under both `model.embed_tokens.weight` and
+    `lm_head.weight`: a checkpoint without `lm_head.weight` (transformers' save_pretrained drops it)
+    fills both; one that also carries it must hold the same values."""
     model_dir = pathlib.Path(model_dir)
-    params = dict(model.named_parameters())
-    seen: set[str] = set()
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied: both names, one Parameter
+    loaded: dict[int, str] = {}  # id(parameter) -> the checkpoint name that filled it
     for shard, names in checkpoint_shards(model_dir).items():
         with safe_open(str(model_dir / shard), "pt") as f:
             for name in names:
@@ -77,16 +81,22 @@ def load_backbone_weights(model: TTTQwen3ForCausalLM, model_dir: str | pathlib.P
                         raise KeyError(f"{model_dir / shard}: tensor {name!r} has no parameter in the TTT model "
                                        "(is this a Qwen3 checkpoint?)")
                     continue
-                copy_checked(params[name], f.get_tensor(name), name=name, where=model_dir / shard)
-                seen.add(name)
-    missing = sorted(set(params) - seen)
-    if "lm_head.weight" in missing and model.config.tie_word_embeddings:
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
-        missing.remove("lm_head.weight")
+                p, src = params[name], f.get_tensor(name)
+                if id(p) in loaded:  # the second name of a tied parameter
+                    if not torch.equal(p, src.to(p.dtype)):
+                        raise ValueError(f"{model_dir / shard}: {name} differs from {loaded[id(p)]} but config.json "
+                                         "sets tie_word_embeddings=true (one shared matrix); fix the config or "
+                                         "the checkpoint")
+                    continue
+                copy_checked(p, src, name=name, where=model_dir / shard)
+                loaded[id(p)] = name
+    missing = sorted(n for n, p in params.items() if id(p) not in loaded)
     not_prime = [n for n in missing if not is_prime_param(n)]
     if not_prime:
+        tied_hint = (" (an untied model needs lm_head.weight: is tie_word_embeddings missing from config.json?)"
+                     if not_prime == ["lm_head.weight"] else "")
         raise KeyError(f"{model_dir}: checkpoint lacks backbone tensors {not_prime[:5]}"
-                       f"{' ...' if len(not_prime) > 5 else ''}")
+                       f"{' ...' if len(not_prime) > 5 else ''}{tied_hint}")
     return missing
 
 

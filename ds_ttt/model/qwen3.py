@@ -3,6 +3,9 @@
 Parameter names are transformers' Qwen3 names (`model.layers.N.self_attn.q_proj.weight`, ...,
 `lm_head.weight`), so a Hugging Face checkpoint loads 1:1; the adaptive layers add
 `model.layers.N.prime_layernorm.weight` and `model.layers.N.prime_mlp.{gate,up,down}_proj.weight`.
+With `config.tie_word_embeddings` (Qwen3-0.6B to 4B) `lm_head.weight` IS `model.embed_tokens.weight`
+(one parameter under two names, as in transformers); the trainable scope of that parameter is the
+union of its names' scopes (`is_trainable`), so under 'suffix' and 'all' the tied embedding trains.
 
 A decoder layer computes
     h = h + attn(input_layernorm(h))
@@ -131,6 +134,63 @@ class TTTDecoderLayer(nn.Module):
         return h, kv
 
 
+@torch.no_grad()
+def reset_qwen3_parameters(module: nn.Module, std: float, prime_init_std: float | None = None) -> None:
+    """HF-style init of any part of the model (the whole model or one pipeline layer): normal(0, std)
+    linears/embeddings, ones for norms; every prime MLP's down projection zero (so an untrained TTT
+    model is the base Qwen3), its gate/up normal(0, prime_init_std) when that is set."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            m.weight.normal_(0.0, std)
+        elif isinstance(m, Qwen3RMSNorm):
+            m.weight.fill_(1.0)
+    for m in module.modules():
+        if isinstance(m, PrimeMLP):
+            if prime_init_std is not None:
+                m.gate_proj.weight.normal_(0.0, prime_init_std)
+                m.up_proj.weight.normal_(0.0, prime_init_std)
+            m.down_proj.weight.zero_()
+
+
+def run_decoder_layers(layers, hidden_BTC: torch.Tensor, rounds_BT: torch.Tensor | None, *,
+                       policy: ContextPolicy, rotary_emb: nn.Module) -> torch.Tensor:
+    """Whole-sequence pass through `layers` (one or many) under the context policy, W_0 in adaptive
+    layers. Used by the single-device model and by each pipeline decoder stage."""
+    b, t, _ = hidden_BTC.shape
+    if rounds_BT is None and policy.kind == "current_round":
+        raise ValueError("context_policy='current_round' needs rounds_BT (round id per token)")
+    positions_BT = torch.arange(t, device=hidden_BTC.device).expand(b, t)
+    pos_emb = rotary_emb(hidden_BTC, positions_BT)
+    attend = frozen_path_attend(policy, hidden_BTC,
+                                rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT),
+                                layers[0].self_attn.scaling)
+    for layer in layers:
+        hidden_BTC, _ = layer(hidden_BTC, pos_emb, attend)
+    return hidden_BTC
+
+
+TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # one parameter when tie_word_embeddings
+
+
+def is_trainable(name: str, scope: str, first_adaptive: int) -> bool:
+    """Does the trainable scope cover the parameter named `name` (a Hugging Face name)? A tied parameter
+    trains when any of its names does (see `parameter_names`)."""
+    if scope == "all":
+        return True
+    if scope == "suffix":
+        return is_suffix_param(name, first_adaptive)
+    if scope == "prime":
+        return ".prime_" in name
+    raise ValueError(f"unknown trainable scope {scope!r}")
+
+
+def aliases(name: str, config: Qwen3Config) -> tuple[str, ...]:
+    """Every Hugging Face name of the parameter called `name` (both tied names when tied)."""
+    if config.tie_word_embeddings and name in TIED_NAMES:
+        return TIED_NAMES
+    return (name,)
+
+
 class TTTQwen3Model(nn.Module):
     def __init__(self, config: Qwen3Config, ttt: TTTConfig):
         super().__init__()
@@ -152,6 +212,8 @@ class TTTQwen3ForCausalLM(nn.Module):
         self.config, self.ttt = config, ttt
         self.model = TTTQwen3Model(config, ttt)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.tie_weights()
         self.num_adaptive = ttt.num_adaptive(config.num_hidden_layers)
         self.first_adaptive = config.num_hidden_layers - self.num_adaptive
         self.policy = ContextPolicy.from_ttt(ttt)
@@ -169,21 +231,14 @@ class TTTQwen3ForCausalLM(nn.Module):
     def initial_fast_weights(self) -> FastWeights:
         return tuple(w for layer in self.adaptive_layers for w in layer.prime_mlp.initial_weights())
 
-    @torch.no_grad()
+    def tie_weights(self) -> None:
+        """lm_head.weight := model.embed_tokens.weight (the same Parameter), as transformers ties them."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
     def reset_parameters(self, std: float | None = None) -> None:
-        """HF-style init: normal(0, initializer_range) linears/embeddings, ones for norms, zero prime down
-        (prime gate/up: normal(0, ttt.prime_init_std) when that is set)."""
-        std = self.config.initializer_range if std is None else std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-            elif isinstance(module, Qwen3RMSNorm):
-                module.weight.fill_(1.0)
-        for layer in self.adaptive_layers:
-            if self.ttt.prime_init_std is not None:
-                layer.prime_mlp.gate_proj.weight.normal_(0.0, self.ttt.prime_init_std)
-                layer.prime_mlp.up_proj.weight.normal_(0.0, self.ttt.prime_init_std)
-            layer.prime_mlp.down_proj.weight.zero_()
+        """HF-style init (reset_qwen3_parameters): prime down projections zero, prime gate/up at
+        ttt.prime_init_std when that is set."""
+        reset_qwen3_parameters(self, self.config.initializer_range if std is None else std, self.ttt.prime_init_std)
 
     # ---- forward passes ----------------------------------------------------------------------
     def position_embeddings(self, hidden_BTC, positions_BT):
@@ -198,17 +253,7 @@ class TTTQwen3ForCausalLM(nn.Module):
 
     def run_layers(self, layers, hidden_BTC, rounds_BT: torch.Tensor | None) -> torch.Tensor:
         """Whole-sequence pass through `layers` under the context policy (W_0 in adaptive layers)."""
-        b, t, _ = hidden_BTC.shape
-        if rounds_BT is None and self.policy.kind == "current_round":
-            raise ValueError("context_policy='current_round' needs rounds_BT (round id per token)")
-        positions_BT = torch.arange(t, device=hidden_BTC.device).expand(b, t)
-        pos_emb = self.position_embeddings(hidden_BTC, positions_BT)
-        attend = frozen_path_attend(self.policy, hidden_BTC,
-                                    rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT),
-                                    self.model.layers[0].self_attn.scaling)
-        for layer in layers:
-            hidden_BTC, _ = layer(hidden_BTC, pos_emb, attend)
-        return hidden_BTC
+        return run_decoder_layers(layers, hidden_BTC, rounds_BT, policy=self.policy, rotary_emb=self.model.rotary_emb)
 
     def trajectory_loss(self, input_ids_BT, kinds_BT, rounds_BT, *, create_graph: bool | None = None,
                         update: bool = True, record: bool = False):
@@ -238,17 +283,11 @@ class TTTQwen3ForCausalLM(nn.Module):
 
     # ---- training scope ----------------------------------------------------------------------
     def set_trainable_scope(self, scope: str | None = None) -> None:
-        """prime: prime MLPs + their norms; suffix: the adaptive layers (+ final norm, LM head); all."""
+        """prime: prime MLPs + their norms; suffix: the adaptive layers (+ final norm, LM head); all.
+        A tied embedding (one parameter, two names) trains when either name is in scope."""
         scope = scope or self.ttt.trainable_scope
-        for name, p in self.named_parameters():
-            if scope == "all":
-                p.requires_grad_(True)
-            elif scope == "suffix":
-                p.requires_grad_(is_suffix_param(name, self.first_adaptive))
-            elif scope == "prime":
-                p.requires_grad_(".prime_" in name)
-            else:
-                raise ValueError(f"unknown trainable scope {scope!r}")
+        for name, p in self.named_parameters():  # each parameter once (a tied one under its first name)
+            p.requires_grad_(any(is_trainable(n, scope, self.first_adaptive) for n in aliases(name, self.config)))
         if self.num_adaptive == 0 and scope == "prime":
             raise ValueError("trainable_scope='prime' with adaptive_layers=0 trains nothing; "
                              "use 'suffix' or 'all' for the SFT baseline")

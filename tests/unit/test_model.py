@@ -87,7 +87,10 @@ def test_non_finite_inner_gradient_skips_the_update():
     w = (torch.randn(4, requires_grad=True),)
     loss = (w[0] * torch.tensor(float("nan"))).sum()
     res = inner_sgd_step(loss, w, lr=0.1, max_norm=1.0, create_graph=True)
-    assert res.skipped and res.weights[0] is w[0]
+    assert bool(res.skipped)
+    torch.testing.assert_close(res.weights[0], w[0], rtol=0, atol=0)  # W' = W, decided on the device
+    res.weights[0].sum().backward()  # and the skipped step's graph passes no NaN to W
+    assert torch.isfinite(w[0].grad).all()
 
 
 def test_event_loop_counts_skipped_updates(tiny_qwen3_config):
@@ -311,3 +314,69 @@ def test_obs_loss_with_end_changes_only_the_observation_term(tiny_qwen3_config):
     # ROUND has one observation span closed by a context token per round: one extra label per round
     assert outs[True].num_obs_tokens == outs[False].num_obs_tokens + 3
     torch.testing.assert_close(outs[True].action_nll_sum, outs[False].action_nll_sum)
+
+
+def tied_config(cfg):
+    """The same tiny backbone with Qwen3-0.6B..4B's tied embeddings (no lm_head.weight on disk)."""
+    cfg = type(cfg).from_dict(cfg.to_dict())
+    cfg.tie_word_embeddings = True
+    return cfg
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_pretrained_tied_and_untied_checkpoints_load(tmp_path, tiny_qwen3_config, tied):
+    cfg = tied_config(tiny_qwen3_config) if tied else tiny_qwen3_config
+    torch.manual_seed(3)
+    hf = Qwen3ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert ("lm_head.weight" in f.keys()) == (not tied)  # transformers drops the tied copy
+    model = load_hf_qwen3(tmp_path, TTTConfig())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    ids = torch.randint(0, 256, (1, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_checkpoint_with_a_differing_head_is_refused(tmp_path, tiny_qwen3_config):
+    from safetensors.torch import save_file
+    hf = Qwen3ForCausalLM(tied_config(tiny_qwen3_config))
+    hf.save_pretrained(tmp_path)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"] + 1.0
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        load_hf_qwen3(tmp_path, TTTConfig())
+
+
+def test_untied_config_without_head_names_the_fix(tmp_path, tiny_qwen3_config):
+    Qwen3ForCausalLM(tied_config(tiny_qwen3_config)).save_pretrained(tmp_path)
+    import json
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KeyError, match="tie_word_embeddings"):
+        load_hf_qwen3(tmp_path, TTTConfig())
+
+
+def test_tied_embedding_trains_with_the_head(tiny_qwen3_config):
+    """The tied matrix is embedding and LM head at once: 'suffix' (which trains the head) and 'all'
+    train it, 'prime' does not; its gradient is the sum of both uses."""
+    model = make_model(tied_config(tiny_qwen3_config), adaptive_layers=2)
+    embed = model.model.embed_tokens.weight
+    assert model.lm_head.weight is embed
+    for scope, trains in (("prime", False), ("suffix", True), ("all", True)):
+        model.set_trainable_scope(scope)
+        assert embed.requires_grad == trains, scope
+    ids, kinds, rounds = trajectory()
+    model.trajectory_loss(ids, kinds, rounds).loss.backward()
+    both = embed.grad.clone()
+    # the same weights untied: the head gradient plus the embedding gradient
+    untied = make_model(tiny_qwen3_config, adaptive_layers=2)
+    untied.load_state_dict(model.state_dict())
+    untied.set_trainable_scope("suffix")
+    untied.model.embed_tokens.weight.requires_grad_(True)
+    untied.trajectory_loss(ids, kinds, rounds).loss.backward()
+    torch.testing.assert_close(both, untied.lm_head.weight.grad + untied.model.embed_tokens.weight.grad)
+    assert float(untied.model.embed_tokens.weight.grad.abs().sum()) > 0  # both terms really contribute

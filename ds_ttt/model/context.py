@@ -33,7 +33,7 @@ class LayerCache:
 
     k_1HSD: torch.Tensor
     v_1HSD: torch.Tensor
-    positions_S: torch.Tensor  # int64 absolute positions
+    positions_S: torch.Tensor  # int64 absolute positions (host tensors in the event loop)
     rounds_S: torch.Tensor  # int64 round ids
 
     @staticmethod
@@ -47,8 +47,11 @@ class LayerCache:
         return int(self.positions_S.numel())
 
     def take(self, keep_S: torch.Tensor) -> "LayerCache":
+        """Keep the rows where `keep_S` (computed from the metadata, on its device) is True. With host
+        metadata (the event loop's) the selection never waits for the accelerator."""
         idx = keep_S.nonzero().squeeze(1)
-        return LayerCache(self.k_1HSD.index_select(2, idx), self.v_1HSD.index_select(2, idx),
+        kv_idx = idx.to(self.k_1HSD.device, non_blocking=True)
+        return LayerCache(self.k_1HSD.index_select(2, kv_idx), self.v_1HSD.index_select(2, kv_idx),
                           self.positions_S[idx], self.rounds_S[idx])
 
     def append(self, k_1HTD, v_1HTD, positions_T, rounds_T) -> "LayerCache":

@@ -11,6 +11,14 @@ For each trajectory (one row of the right-padded batch) and each round r = 0, 1,
      deployed agent computes them while it acts).
 Label position t predicts token t+1, so a position's loss kind is the kind of the *next* token.
 
+Host syncs: none per event. Event boundaries, label positions and token counts come from one host
+copy of the batch's kinds and round ids (taken once per batch, before any event runs); the cache's
+positions/round ids are host metadata; a non-finite inner step is skipped on the device
+(`inner_sgd_step`) and skips are counted as a device tensor. Only `record=True` (evaluation) reads
+values back per event.
+
+Precision: fast weights are carried in fp32 (`inner_loop_weights`, see fast_weights.py).
+
 Memory: with `checkpoint_events`, each event step runs under non-reentrant activation checkpointing,
 so the autograd graph keeps only what is carried between events (W, the KV cache, the hidden
 states entering the stage) and recomputes each event's activations during backward.
@@ -33,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_ttt.config import TTTConfig
 from ds_ttt.model.context import ContextPolicy, LayerCache
-from ds_ttt.model.fast_weights import FastWeights, inner_sgd_step
+from ds_ttt.model.fast_weights import FastWeights, inner_loop_weights, inner_sgd_step
 
 PAD, CONTEXT, ACTION, OBSERVATION = -1, 0, 1, 2
 
@@ -68,15 +76,31 @@ class EventRecord:
 
 @dataclass
 class EventLoopOutput:
-    loss: torch.Tensor  # outer objective: mean action NLL (+ obs_loss_weight * mean pre-update obs NLL)
-    action_nll_sum: torch.Tensor  # detached sums over tokens, for logging and token-weighted reduction
+    loss: torch.Tensor  # outer objective of this batch alone: mean action NLL (+ obs_loss_weight * mean obs NLL)
+    action_loss_sum: torch.Tensor  # in the graph: summed action NLL (token-weighted reduction across batches)
+    obs_loss_sum: torch.Tensor  # in the graph: summed pre-update observation-loss NLL (observation_labels)
     num_action_tokens: int
-    obs_nll_sum: torch.Tensor
     num_obs_tokens: int
-    num_updates: int
-    num_skipped: int
+    num_update_attempts: int  # events with observation tokens and a nonzero inner lr
+    skipped_count: torch.Tensor  # 0-dim int64 on the device: attempts skipped for a non-finite gradient
     records: list[list[EventRecord]] = field(default_factory=list)  # per trajectory, when record=True
-    final_weights: list[FastWeights] = field(default_factory=list)  # per trajectory
+    final_weights: list[FastWeights] = field(default_factory=list)  # per trajectory (fp32 when updated)
+
+    @property
+    def action_nll_sum(self) -> torch.Tensor:  # detached, for logging
+        return self.action_loss_sum.detach()
+
+    @property
+    def obs_nll_sum(self) -> torch.Tensor:
+        return self.obs_loss_sum.detach()
+
+    @property
+    def num_skipped(self) -> int:  # reads the device counter (one sync): for logging, not the hot path
+        return int(self.skipped_count)
+
+    @property
+    def num_updates(self) -> int:
+        return self.num_update_attempts - self.num_skipped
 
 
 def attention_for_event(backend: str, span):
@@ -147,52 +171,60 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
     """Outer loss of a right-padded batch (rows are independent trajectories, each with its own W)."""
     policy = ContextPolicy.from_ttt(ttt)
     backend = ttt.attention_backend
+    device = hidden_BTC.device
     w0 = fast_weights if fast_weights is not None else suffix.initial_fast_weights()
     can_update = update and len(w0) > 0 and ttt.inner_lr > 0
-    if can_update:  # the inner gradient needs W in the graph; at inference W is a fresh leaf
-        w0 = tuple(w.detach().requires_grad_(True) if not (create_graph and w.requires_grad) else w for w in w0)
+    if can_update:  # fp32 copies in the graph (meta-training) or fresh fp32 leaves (inference)
+        w0 = inner_loop_weights(w0, differentiable=create_graph)
+    # The one host copy of the batch's metadata: every event boundary, label position and count below
+    # is computed from it, so the events themselves never wait for the device.
+    kinds_host_BT, rounds_host_BT = kinds_BT.cpu(), rounds_BT.cpu()
     total_action = hidden_BTC.new_zeros((), dtype=torch.float32)
     total_obs = hidden_BTC.new_zeros((), dtype=torch.float32)
-    n_action = n_obs = n_updates = n_skipped = 0
+    skipped_count = torch.zeros((), dtype=torch.int64, device=device)
+    no_skip = torch.zeros((), dtype=torch.int64, device=device)
+    n_action = n_obs = n_attempts = 0
     all_records, finals = [], []
 
     for b in range(hidden_BTC.shape[0]):
-        n = int((kinds_BT[b] != PAD).sum())
-        ids, kinds, rounds = input_ids_BT[b, :n], kinds_BT[b, :n], rounds_BT[b, :n]
-        if n > 1 and bool((rounds[1:] < rounds[:-1]).any()):
+        n = int((kinds_host_BT[b] != PAD).sum())
+        kinds_h, rounds_h = kinds_host_BT[b, :n], rounds_host_BT[b, :n]
+        if n > 1 and bool((rounds_h[1:] < rounds_h[:-1]).any()):
             raise ValueError(f"trajectory {b}: round ids must be non-decreasing along the sequence")
-        labels, label_kinds = ids[1:], kinds[1:]
-        bounds = torch.nonzero(rounds[1:] != rounds[:-1]).squeeze(1) + 1
-        starts = [0] + bounds.tolist()
+        labels = input_ids_BT[b, 1:n]
+        label_kinds_h = kinds_h[1:]
+        starts = [0] + (torch.nonzero(rounds_h[1:] != rounds_h[:-1]).squeeze(1) + 1).tolist()
         ends = starts[1:] + [n]
         weights = w0
         caches = None
         records = []
         for start, end in zip(starts, ends):
-            round_id = int(rounds[start])
-            label_idx = torch.arange(start, min(end, n - 1), device=ids.device)
-            lk = label_kinds[label_idx]
-            obs_like = observation_labels(lk, with_end=ttt.obs_loss_with_end)
-            wanted = label_idx if record else label_idx[(lk == ACTION) | obs_like]
-            local, tgt = wanted - start, labels[wanted]
-            act_mask, obs_mask = label_kinds[wanted] == ACTION, obs_like[wanted - start]
-            pure_obs = label_kinds[wanted] == OBSERVATION  # the metrics' observation tokens
-            k_obs = int(obs_mask.sum())
+            round_id = int(rounds_h[start])
+            label_idx_h = torch.arange(start, min(end, n - 1))
+            lk_h = label_kinds_h[label_idx_h]
+            obs_like_h = observation_labels(lk_h, with_end=ttt.obs_loss_with_end)
+            wanted_h = label_idx_h if record else label_idx_h[(lk_h == ACTION) | obs_like_h]
+            act_mask_h = label_kinds_h[wanted_h] == ACTION
+            obs_mask_h = obs_like_h[wanted_h - start]
+            k_obs = int(obs_mask_h.sum())
             do_update = can_update and k_obs > 0
-            positions = torch.arange(start, end, device=ids.device)[None]
+            wanted = wanted_h.to(device, non_blocking=True)
+            local, tgt = (wanted_h - start).to(device, non_blocking=True), labels[wanted]
+            act_mask, obs_mask = act_mask_h.to(device, non_blocking=True), obs_mask_h.to(device, non_blocking=True)
+            positions = torch.arange(start, end, device=device)[None]
             h_event = hidden_BTC[b:b + 1, start:end]
             if caches is None:
-                caches = [LayerCache.empty(_kv_like(layer, h_event)) for layer in suffix.layers]
+                caches = [_empty_cache(layer, h_event) for layer in suffix.layers]
             # Prune the caches to what this event may see (outside the checkpointed step: the
-            # kept keys/values are its tensor inputs, positions/rounds are plain metadata).
+            # kept keys/values are its tensor inputs, positions/rounds are plain host metadata).
             kept = [policy.select(c, start, round_id)[0] for c in caches]
 
             def score(h, ws, kvs, kept=kept, positions=positions, start=start, round_id=round_id,
-                      local=local, tgt=tgt, act_mask=act_mask, obs_mask=obs_mask):
+                      local=local, tgt=tgt, in_graph=act_mask | obs_mask):
                 cs = [LayerCache(kvs[2 * i], kvs[2 * i + 1], c.positions_S, c.rounds_S) for i, c in enumerate(kept)]
                 h_out, outs = forward_event(suffix.layers, cs, h, suffix.rotary_emb(h, positions), start,
                                             round_id, policy, backend, ws)
-                nll, logits = _nll(suffix, h_out, local, tgt, in_graph=(act_mask | obs_mask) if record else None)
+                nll, logits = _nll(suffix, h_out, local, tgt, in_graph=in_graph if record else None)
                 return nll, logits, [t for _, k, v in outs for t in (k, v)]
 
             def step(h, *flat, score=score, act_mask=act_mask, obs_mask=obs_mask, k_obs=k_obs,
@@ -200,13 +232,13 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
                 ws, kvs = tuple(flat[:nw]), flat[nw:]
                 nll, logits, new_kv = score(h, ws, kvs)
                 act_sum, obs_sum = (nll * act_mask).sum(), (nll * obs_mask).sum()
-                new_ws, skipped = ws, False
+                new_ws, skipped = ws, no_skip
                 if do_update:
                     res = inner_sgd_step(obs_sum / k_obs, ws, lr=ttt.inner_lr, max_norm=ttt.inner_max_norm,
                                          create_graph=create_graph)
-                    new_ws, skipped = res.weights, res.skipped
+                    new_ws, skipped = res.weights, res.skipped.to(torch.int64)
                 extra = (nll.detach(), logits.detach().argmax(-1)) if record else ()
-                return (*new_ws, *new_kv, act_sum, obs_sum, torch.tensor(float(skipped)), *extra)
+                return (*new_ws, *new_kv, act_sum, obs_sum, skipped, *extra)
 
             flat_in = [t for c in kept for t in (c.k_1HSD, c.v_1HSD)]
             if not create_graph:
@@ -220,15 +252,17 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
             nw, nkv = len(weights), 2 * len(kept)
             new_weights, new_kv = tuple(out[:nw]), out[nw:nw + nkv]
             act_sum, obs_sum, skipped_t = out[nw + nkv: nw + nkv + 3]
-            skipped = bool(skipped_t.item())
-            if record:
+            skipped_count = skipped_count + skipped_t
+            if record:  # evaluation reads values back per event; training never takes this branch
+                skipped = bool(skipped_t)
                 after = None
                 if do_update and not skipped:
                     with torch.no_grad():
+                        pure_obs = (label_kinds_h[wanted_h] == OBSERVATION).to(device)
                         after = score(h_event, new_weights, flat_in)[0][pure_obs].cpu()
                 records.append(EventRecord(
-                    round=round_id, label_positions=wanted.cpu(), labels=tgt.cpu(),
-                    label_kinds=label_kinds[wanted].cpu(), token_nll=out[-2].cpu(), argmax=out[-1].cpu(),
+                    round=round_id, label_positions=wanted_h, labels=tgt.cpu(),
+                    label_kinds=label_kinds_h[wanted_h], token_nll=out[-2].cpu(), argmax=out[-1].cpu(),
                     obs_nll_after=after, updated=do_update and not skipped, skipped=do_update and skipped))
             caches = []
             for i, c in enumerate(kept):
@@ -237,13 +271,12 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
                 if not create_graph:
                     k, v = k.detach(), v.detach()
                 caches.append(LayerCache(kk, vv, c.positions_S, c.rounds_S).append(
-                    k, v, positions[0], rounds[start:end]))
+                    k, v, torch.arange(start, end), rounds_h[start:end]))
             total_action = total_action + act_sum
             total_obs = total_obs + obs_sum
-            n_action += int(act_mask.sum())
+            n_action += int(act_mask_h.sum())
             n_obs += k_obs
-            n_updates += int(do_update and not skipped)
-            n_skipped += int(do_update and skipped)
+            n_attempts += int(do_update)
             weights = new_weights
         all_records.append(records)
         finals.append(tuple(w.detach() for w in weights))
@@ -251,11 +284,14 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
     loss = total_action / max(n_action, 1)
     if ttt.obs_loss_weight > 0:
         loss = loss + ttt.obs_loss_weight * total_obs / max(n_obs, 1)
-    return EventLoopOutput(loss=loss, action_nll_sum=total_action.detach(), num_action_tokens=n_action,
-                           obs_nll_sum=total_obs.detach(), num_obs_tokens=n_obs, num_updates=n_updates,
-                           num_skipped=n_skipped, records=all_records, final_weights=finals)
+    return EventLoopOutput(loss=loss, action_loss_sum=total_action, obs_loss_sum=total_obs,
+                           num_action_tokens=n_action, num_obs_tokens=n_obs, num_update_attempts=n_attempts,
+                           skipped_count=skipped_count, records=all_records, final_weights=finals)
 
 
-def _kv_like(layer, h_1TC):
+def _empty_cache(layer, h_1TC) -> LayerCache:
+    """An empty cache whose keys/values live with the hidden states and whose metadata lives on the host."""
     attn = layer.self_attn
-    return h_1TC.new_zeros(1, attn.config.num_key_value_heads, 0, attn.head_dim)
+    kv = h_1TC.new_zeros(1, attn.config.num_key_value_heads, 0, attn.head_dim)
+    none = torch.zeros(0, dtype=torch.long)
+    return LayerCache(kv, kv, none, none)

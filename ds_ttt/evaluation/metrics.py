@@ -22,7 +22,9 @@ the model holds *before* learning round r's observation:
                                 (the WHOLE action, not only the fact) and their token-weighted action NLL;
   recovery round                the round is in meta.recovery_rounds (error_recovery family): the action
                                 right after a failing command. Summaries give its token-weighted action NLL.
-Aggregates are token-weighted for NLL/accuracy and round-weighted for exact matches.
+Aggregates are token-weighted for NLL/accuracy and round-weighted for exact matches. Every rate
+carries a 95% Wilson interval (`<name>_lo`, `<name>_hi`) and every NLL a 95% bootstrap interval over
+rounds (ds_ttt/evaluation/intervals.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from ds_ttt.evaluation.intervals import bootstrap_ratio_interval, wilson_interval
 
 ACTION, OBSERVATION = 1, 2
 
@@ -139,7 +143,7 @@ def summarize(rounds: list[RoundMetrics]) -> dict:
     def div(a, b):
         return a / b if b else None
 
-    return {
+    out = {
         "num_rounds": len(rounds),
         "action_tokens": a_tok,
         "action_nll": div(sum(r.action_nll_sum for r in rounds), a_tok),
@@ -166,6 +170,14 @@ def summarize(rounds: list[RoundMetrics]) -> dict:
         "num_updates": sum(r.updated for r in rounds),
         "num_skipped": sum(r.skipped for r in rounds),
     }
+    rates = {"action_exact": a_em, "obs_exact": o_em, "memory_fact_exact": facts, "memory_action_exact": mem_em}
+    for name, outcomes in rates.items():
+        out[f"{name}_lo"], out[f"{name}_hi"] = wilson_interval(int(sum(outcomes)), len(outcomes))
+    nlls = {"action_nll": [r for r in rounds if r.action_tokens], "memory_action_nll": mem, "recovery_action_nll": rec}
+    for name, units in nlls.items():
+        out[f"{name}_lo"], out[f"{name}_hi"] = bootstrap_ratio_interval(
+            [r.action_nll_sum for r in units], [r.action_tokens for r in units])
+    return out
 
 
 def by_round_index(per_traj: list[list[RoundMetrics]]) -> list[dict]:

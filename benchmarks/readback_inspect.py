@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 
 import torch
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 ACTION, OBSERVATION = 1, 2
 

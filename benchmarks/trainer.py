@@ -34,8 +34,6 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 ROUND_LAYOUT = [0] * 8 + [1] * 40 + [2] * 80  # one event: header, action, observation
 TTT = dict(adaptive_layers=2, trainable_scope="prime")
 

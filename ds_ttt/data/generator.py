@@ -4,7 +4,10 @@
     world = generate_memory_world(seed=7)           # one fresh memory world for the memory eval
 
 Every observation is the real output of the command in real bash inside a throwaway sandbox
-(`sandbox.py`: timeouts, no network via `unshare -rn` where available, only these commands). Each
+(`sandbox.py`: timeouts, output and process caps, and by default no network, writes confined to the
+sandbox, every process killed at the end; without those namespaces the generator refuses unless
+called with isolation="none", which `data_prep/generate.py --no-isolation` passes). `meta.isolation`
+records which was used ("unshare" or "none"). Each
 trajectory: system prompt + the `bash` tool schema, the task, then assistant turns with short reasoning
 and one Qwen3 tool call `{"name": "bash", "arguments": {"command": ...}}`, the tool results, and a final
 assistant answer. Per-trajectory RNG = Random(f"{seed}:{index}") so any trajectory can be regenerated
@@ -19,7 +22,7 @@ import random
 from pathlib import Path
 
 from .families import FAMILIES, memory_world
-from .sandbox import Sandbox, format_observation
+from .sandbox import Sandbox, format_observation, resolve_isolation
 
 SYSTEM_PROMPT = (
     "You are a careful terminal agent in a Linux sandbox. Use the bash tool to run one command at a time, "
@@ -93,19 +96,22 @@ class Episode:
         return {"id": self.id, "source": "ds_ttt_generator", "tools": [BASH_TOOL], "messages": self.messages, "meta": self.meta}
 
 
-def generate_one(seed: int, index: int, family: str | None = None, keep_dir: str | None = None) -> dict:
+def generate_one(seed: int, index: int, family: str | None = None, keep_dir: str | None = None,
+                 isolation: str = "required") -> dict:
     rng = random.Random(f"{seed}:{index}")
     family = family or FAMILY_NAMES[rng.randrange(len(FAMILY_NAMES))]
     policy = rng.choice(FAMILIES[family])
-    return _run_episode(f"gen-{seed}-{index:05d}", family, policy.__name__, lambda ep: policy(ep, rng), seed, keep_dir)
+    return _run_episode(f"gen-{seed}-{index:05d}", family, policy.__name__, lambda ep: policy(ep, rng), seed, keep_dir,
+                        isolation)
 
 
-def _run_episode(traj_id: str, family: str, variant: str, play, seed: int, keep_dir: str | None) -> dict:
+def _run_episode(traj_id: str, family: str, variant: str, play, seed: int, keep_dir: str | None, isolation: str) -> dict:
     """Play one scripted episode in a throwaway sandbox and return its canonical trajectory."""
-    with Sandbox(parent=keep_dir, keep=keep_dir is not None) as sb:
+    with Sandbox(parent=keep_dir, keep=keep_dir is not None, isolation=isolation) as sb:
         ep = Episode(sb, traj_id, family, variant)
         play(ep)
         traj = ep.trajectory()
+        traj["meta"]["isolation"] = sb.isolation
         if keep_dir is not None:
             traj["meta"]["sandbox"] = str(sb.root)
     traj["meta"]["seed"] = seed
@@ -113,7 +119,8 @@ def _run_episode(traj_id: str, family: str, variant: str, play, seed: int, keep_
     return traj
 
 
-def generate_memory_world(seed: int, num_distractors: int | None = None, keep_dir: str | None = None) -> dict:
+def generate_memory_world(seed: int, num_distractors: int | None = None, keep_dir: str | None = None,
+                          isolation: str = "required") -> dict:
     """A fresh memory world: two keys written to two files by real commands, read back in later rounds.
 
     meta.values = {name: key}; meta.readbacks = [{"round", "path", "value", "source_round"}] (the
@@ -122,16 +129,18 @@ def generate_memory_world(seed: int, num_distractors: int | None = None, keep_di
     """
     rng = random.Random(f"memory-world:{seed}")
     return _run_episode(f"memworld-{seed}", "memory", "memory_world",
-                        lambda ep: memory_world(ep, rng, num_distractors=num_distractors), seed, keep_dir)
+                        lambda ep: memory_world(ep, rng, num_distractors=num_distractors), seed, keep_dir, isolation)
 
 
 def _work(args):
     return generate_one(*args)
 
 
-def generate(num: int, seed: int, workers: int | None = None, progress: bool = False, family: str | None = None) -> list[dict]:
+def generate(num: int, seed: int, workers: int | None = None, progress: bool = False, family: str | None = None,
+             isolation: str = "required") -> list[dict]:
     """`num` trajectories for `seed` (identical for any number of workers)."""
-    jobs = [(seed, i, family) for i in range(num)]
+    resolve_isolation(isolation)  # refuse before starting any worker
+    jobs = [(seed, i, family, None, isolation) for i in range(num)]
     workers = workers if workers is not None else min(mp.cpu_count(), 8)
     bar = None
     if progress:

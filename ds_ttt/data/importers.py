@@ -6,7 +6,17 @@ trajectory or a `Reject(file, line, step, reason)`; nothing is dropped silently.
 trajectory format at all (a trial's config.json, a README) are listed in `skipped`.
 
 Dispatch: a folder holding `agent/episode-*` is a Terminus-2 trial; `*.jsonl` is OpenAI-messages /
-canonical JSONL (one trajectory per line); `*.json` is ATIF when its `schema_version` says so.
+canonical JSONL (one trajectory per line); `*.json` is ATIF when its `schema_version` says so. An
+empty file, a line that is not JSON, or a record that fails validation is a reject naming the file,
+the line (JSONL) and the message index or ATIF step.
+
+Copies: the same trajectory may arrive twice — `data_prep/generate.py` writes each one to
+`trajectories.jsonl` and again as `atif/<id>.json`. A second record with a known id is a copy when it
+equals the first in everything but the provenance keys the ATIF importer adds to meta (session_id,
+agent, model); one copy is kept, the canonical JSONL one when there is one (it is the generator's own
+record, byte for byte, while the ATIF copy is a conversion), otherwise the first in walk order, and
+every dropped copy is listed in `duplicate_copies`. The same id with different content is a reject
+naming both places.
 
 Terminus-2 trial: `agent/episode-N/debug.json` holds the input messages of episode N and
 `response.txt` the raw reply (JSON `{"analysis", "plan", "commands": [{"keystrokes", "duration"}],
@@ -29,6 +39,10 @@ _CONT = re.compile(r"^(?P<base>.+)\.cont-(?P<n>\d+)\.json$")
 _EPISODE = re.compile(r"^episode-(\d+)$")
 
 
+ATIF_PROVENANCE_KEYS = ("session_id", "agent", "model")  # meta keys atif_to_canonical adds
+FORMAT_PREFERENCE = ("openai_jsonl", "atif", "terminus2_trial")  # which copy of one trajectory is kept
+
+
 @dataclass
 class Reject:
     file: str
@@ -39,6 +53,20 @@ class Reject:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def describe(self) -> str:
+        """`FILE:LINE: step S: reason` (the parts that are known)."""
+        where = self.file + (f":{self.line}" if self.line is not None else "")
+        return where + (f": step {self.step}" if self.step is not None else "") + f": {self.reason}"
+
+
+def _content(traj: dict) -> dict:
+    return {**traj, "meta": {k: v for k, v in traj["meta"].items() if k not in ATIF_PROVENANCE_KEYS}}
+
+
+def _split_origin(origin: str) -> tuple[str, int | None]:
+    file, _, line = origin.rpartition(":")
+    return (file, int(line)) if line.isdigit() else (origin, None)
+
 
 @dataclass
 class ImportResult:
@@ -47,29 +75,46 @@ class ImportResult:
     skipped: list[str] = field(default_factory=list)
     origins: dict[str, str] = field(default_factory=dict)  # trajectory id -> "file[:line]"
     counts_by_format: dict[str, int] = field(default_factory=dict)
+    duplicate_copies: list[dict] = field(default_factory=list)  # {"id", "kept", "dropped"} per dropped copy
+    _kept: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (index in trajectories, format)
 
     def add(self, traj: dict, origin: str, fmt: str) -> None:
+        file, line = _split_origin(origin)
         try:
             traj = normalize_trajectory(traj)
         except TrajectoryError as e:
-            file, _, line = origin.partition(":")
-            self.rejects.append(Reject(file, e.reason, int(line) if line.isdigit() else None, e.step))
+            self.rejects.append(Reject(file, e.reason, line, e.step))
             return
-        if traj["id"] in self.origins:
-            file, _, line = origin.partition(":")
-            self.rejects.append(Reject(file, f"duplicate id {traj['id']!r} (first seen in {self.origins[traj['id']]})", int(line) if line.isdigit() else None))
+        tid = traj["id"]
+        if tid not in self._kept:
+            self._kept[tid] = (len(self.trajectories), fmt)
+            self.origins[tid] = origin
+            self.trajectories.append(traj)
+            self.counts_by_format[fmt] = self.counts_by_format.get(fmt, 0) + 1
             return
-        self.origins[traj["id"]] = origin
-        self.trajectories.append(traj)
-        self.counts_by_format[fmt] = self.counts_by_format.get(fmt, 0) + 1
+        k, kept_fmt = self._kept[tid]
+        if _content(self.trajectories[k]) != _content(traj):
+            self.rejects.append(Reject(file, f"duplicate id {tid!r} with different content (first seen in {self.origins[tid]})", line))
+            return
+        if FORMAT_PREFERENCE.index(fmt) < FORMAT_PREFERENCE.index(kept_fmt):  # keep the canonical copy
+            self.duplicate_copies.append({"id": tid, "kept": origin, "dropped": self.origins[tid]})
+            self.counts_by_format[kept_fmt] -= 1
+            if not self.counts_by_format[kept_fmt]:
+                del self.counts_by_format[kept_fmt]
+            self.counts_by_format[fmt] = self.counts_by_format.get(fmt, 0) + 1
+            self.trajectories[k], self.origins[tid], self._kept[tid] = traj, origin, (k, fmt)
+        else:
+            self.duplicate_copies.append({"id": tid, "kept": self.origins[tid], "dropped": origin})
 
 
 # ---------------------------------------------------------------- OpenAI-messages JSONL
 def import_jsonl(path: Path, result: ImportResult) -> None:
+    num_records = 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            num_records += 1
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -80,6 +125,8 @@ def import_jsonl(path: Path, result: ImportResult) -> None:
             if isinstance(rec, dict) and not rec.get("source"):
                 rec = dict(rec, source="openai_jsonl")
             result.add(rec, f"{path}:{lineno}", "openai_jsonl")
+    if num_records == 0:
+        result.rejects.append(Reject(str(path), "empty file: no trajectory records (one JSON object per line expected)"))
 
 
 # ---------------------------------------------------------------- ATIF
@@ -227,8 +274,12 @@ def _import_file(path: Path, result: ImportResult) -> None:
     if path.suffix == ".jsonl":
         import_jsonl(path, result)
     elif path.suffix == ".json":
+        text = path.read_text(encoding="utf-8")
+        if not text.strip():
+            result.rejects.append(Reject(str(path), "empty file: no JSON document (an ATIF trajectory expected)"))
+            return
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
+            doc = json.loads(text)
         except json.JSONDecodeError as e:
             result.rejects.append(Reject(str(path), f"invalid JSON ({e.msg} at line {e.lineno})", e.lineno))
             return

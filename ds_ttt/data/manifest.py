@@ -9,6 +9,8 @@ DIR/
   train.jsonl       canonical trajectories (full text; capacity is applied when rendering), sorted by id
   test.jsonl
   rejects.jsonl     one {"file", "line", "step", "reason"} per malformed record
+                    (`duplicate_copies` lists copies of one trajectory that were dropped, e.g. the
+                    generator's atif/*.json beside its trajectories.jsonl: see importers.py)
   tokenizer/        the tokenizer used (tokenizer.json, tokenizer_config.json with the chat template);
                     with --trim-vocab a compact Qwen3 vocabulary (ds_ttt/data/vocab_trim.py) and
                     qwen3_ids.json mapping each compact id back to its Qwen3 id
@@ -45,6 +47,7 @@ from .tokenizer import load_tokenizer, save_tokenizer
 from .vocab_trim import trim_tokenizer
 
 MANIFEST_FORMAT = "ds_ttt-manifest-v1"
+MAX_REJECTS_SHOWN = 10  # rejects quoted in prepare's error message (all of them are in rejects.jsonl)
 SPLITS = ("train", "test")
 
 
@@ -150,6 +153,7 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
         imported.trajectories.extend(extra.trajectories)
         imported.rejects.extend(extra.rejects)
         imported.skipped.extend(extra.skipped)
+        imported.duplicate_copies.extend(extra.duplicate_copies)
         for fmt, n in extra.counts_by_format.items():
             imported.counts_by_format[fmt] = imported.counts_by_format.get(fmt, 0) + n
     rejects_path = out / "rejects.jsonl"
@@ -158,10 +162,15 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
         stale = out / "manifest.json"
         if stale.exists():
             stale.unlink()  # never leave a manifest that does not describe this run
+        shown = "".join(f"\n  {r.describe()}" for r in imported.rejects[:MAX_REJECTS_SHOWN])
+        more = f"\n  … and {len(imported.rejects) - MAX_REJECTS_SHOWN} more" if len(imported.rejects) > MAX_REJECTS_SHOWN else ""
         return PrepareResult(out, None, len(imported.rejects), 1, rejects_path, imported.skipped,
-                             f"{len(imported.rejects)} malformed record(s), see {rejects_path}; pass --allow-rejects to continue without them")
+                             f"{len(imported.rejects)} malformed record(s), all in {rejects_path}; pass --allow-rejects "
+                             f"to continue without them:{shown}{more}")
     if not imported.trajectories:
-        return PrepareResult(out, None, len(imported.rejects), 1, rejects_path, imported.skipped, "no trajectories imported")
+        return PrepareResult(out, None, len(imported.rejects), 1, rejects_path, imported.skipped,
+                             f"no trajectories imported from {[str(p) for p in list(inputs) + list(train_only)]} "
+                             f"(skipped non-trajectory files: {imported.skipped[:5]})")
 
     if trim_vocab and model_dir is not None:
         raise ValueError("--trim-vocab builds a compact vocabulary for models trained from scratch; a --model "
@@ -227,6 +236,7 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
         "excluded_by_capacity": sorted(excluded),
         "num_rejects": len(imported.rejects),
         "skipped_files": imported.skipped,
+        "duplicate_copies": imported.duplicate_copies,
         "imported_by_format": imported.counts_by_format,
         "split_check": {"overlap_ids": overlap["ids"], "overlap_groups": overlap["groups"]},
         "inputs": [str(p) for p in inputs],

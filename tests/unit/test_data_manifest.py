@@ -7,12 +7,12 @@ import hashlib
 import json
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from ds_ttt.data.cli import prepare_main
 from ds_ttt.data.generator import generate
 from ds_ttt.data.hub import HubError, download_pinned
 from ds_ttt.data.manifest import ManifestError, assign_splits, load_manifest, prepare
@@ -20,7 +20,6 @@ from ds_ttt.data.render import TokenKind
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "tests" / "assets" / "data"
-sys.path.insert(0, str(ROOT / "data_prep"))
 
 
 @pytest.fixture(scope="module")
@@ -124,15 +123,13 @@ def test_split_determinism_and_disjointness():
 
 
 def test_rejects_fail_the_run_unless_allowed(tmp_path, capsys):
-    import prepare as cli
-
     out = tmp_path / "p"
-    rc = cli.main(["--inputs", str(ASSETS / "openai"), "--out", str(out)])
+    rc = prepare_main(["--inputs", str(ASSETS / "openai"), "--out", str(out)])
     assert rc == 1 and not (out / "manifest.json").exists()
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert len(rejects) == 9 and all(r["file"].endswith("bad.jsonl") and r["line"] for r in rejects)
     assert "--allow-rejects" in capsys.readouterr().err
-    rc = cli.main(["--inputs", str(ASSETS / "openai"), "--out", str(out), "--allow-rejects", "--test-fraction", "0.5"])
+    rc = prepare_main(["--inputs", str(ASSETS / "openai"), "--out", str(out), "--allow-rejects", "--test-fraction", "0.5"])
     assert rc == 0
     man = load_manifest(out)
     assert man.data["num_rejects"] == 9
@@ -210,13 +207,11 @@ def test_hub_offline_fails_fast(monkeypatch, tmp_path, mirror):
 
 
 def test_prepare_cli_with_hub_pin(mirror, tmp_path):
-    import prepare as cli
-
     base, files = mirror
     pin = tmp_path / "pin.json"
     pin.write_text(json.dumps({"repo_id": "org/traj", "revision": REV, "files": files}))
     out = tmp_path / "p"
-    assert cli.main(["--hub-pin", str(pin), "--hub-mirror", str(base), "--out", str(out), "--test-fraction", "0.5"]) == 0
+    assert prepare_main(["--hub-pin", str(pin), "--hub-mirror", str(base), "--out", str(out), "--test-fraction", "0.5"]) == 0
     man = load_manifest(out)
     assert man.data["hub"]["revision"] == REV and man.ids("train") | man.ids("test") == {"oa-1", "train:2"}
     assert man.data["files"]["raw/data/train.jsonl"] == files["data/train.jsonl"]  # pinned data re-verified on load
@@ -224,7 +219,7 @@ def test_prepare_cli_with_hub_pin(mirror, tmp_path):
         f.write("\n")
     with pytest.raises(ManifestError, match="raw/data/train.jsonl"):
         load_manifest(out)
-    assert cli.main(["--hub-pin", str(pin), "--hub-mirror", "http://127.0.0.1:9", "--hub-timeout", "1", "--out", str(out)]) == 2
+    assert prepare_main(["--hub-pin", str(pin), "--hub-mirror", "http://127.0.0.1:9", "--hub-timeout", "1", "--out", str(out)]) == 2
 
 
 def test_train_only_inputs_join_train_and_leave_the_test_split_alone(raw, prepared, tmp_path):

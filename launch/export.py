@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,10 @@ as tiktoken does), add Qwen3's 26 special tokens at their real ids and attach Qw
     tok = load_tokenizer("/ckpt/Qwen3-8B")  # a local checkpoint's own tokenizer wins
     tokenizer_hash(tok)                    # sha256 of the saved tokenizer.json
 
+A compact vocabulary (`prepare.py --trim-vocab`, ds_ttt/data/vocab_trim.py) travels with its id map:
+`tok.qwen3_ids[new_id]` is the Qwen3 id of each token, saved next to tokenizer.json as qwen3_ids.json
+by `save_tokenizer` and read back by `load_tokenizer` (which checks every special token through it).
+
 The build is cached under `$DS_TTT_CACHE` (default `~/.cache/ds_ttt`) keyed by the sha256 of the rank
 file and of this module's construction recipe, so a changed recipe never reuses a stale cache.
 """
@@ -59,7 +63,9 @@ QWEN3_ADDED_TOKENS: tuple[tuple[int, str, bool], ...] = (
     (151668, "</think>", False),
 )
 NUM_BPE_RANKS = 151643
+QWEN3_TOKENIZER_SIZE = NUM_BPE_RANKS + len(QWEN3_ADDED_TOKENS)  # 151669 tokens in the full tokenizer
 MODEL_VOCAB_SIZE = 151936  # the embedding table is padded beyond the last added token
+QWEN3_IDS_FILE = "qwen3_ids.json"  # a compact vocabulary's map: new id -> Qwen3 id
 CHAT_TEMPLATE_PATH = Path(__file__).with_name("qwen3_chat_template.jinja")
 _RECIPE_VERSION = "qwen3-bpe-v2"  # bump when the construction below changes
 
@@ -186,6 +192,8 @@ def save_tokenizer(tokenizer, out_dir: str | Path) -> None:
     transformers 5 writes `TokenizersBackend`, which transformers 4 cannot resolve; the generic
     `PreTrainedTokenizerFast` loads tokenizer.json verbatim in both (a `Qwen2Tokenizer` class would be
     rebuilt from vocab/merges with different BPE options, changing the saved tokenizer.json).
+    A compact vocabulary (`tokenizer.qwen3_ids` set) also gets its id map, qwen3_ids.json; without
+    one a stale map in `out_dir` is removed (it would remap the ids of a full tokenizer).
     """
     out_dir = Path(out_dir)
     tokenizer.save_pretrained(str(out_dir))
@@ -194,6 +202,13 @@ def save_tokenizer(tokenizer, out_dir: str | Path) -> None:
     if cfg.get("tokenizer_class") == "TokenizersBackend":
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
         cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    qwen3_ids = getattr(tokenizer, "qwen3_ids", None)
+    if qwen3_ids is not None:
+        if len(qwen3_ids) != len(tokenizer):
+            raise ValueError(f"tokenizer.qwen3_ids has {len(qwen3_ids)} entries for {len(tokenizer)} tokens")
+        (out_dir / QWEN3_IDS_FILE).write_text(json.dumps(list(qwen3_ids)) + "\n")
+    else:
+        (out_dir / QWEN3_IDS_FILE).unlink(missing_ok=True)
 
 
 def _cache_key() -> str:
@@ -245,7 +260,9 @@ def load_tokenizer(model_dir: str | None = None) -> PreTrainedTokenizerFast:
     """The tokenizer to use: a local Qwen3 checkpoint directory's own files when given, else our build.
 
     A checkpoint without a chat template gets Qwen3's (the renderer does not use it, but serving and
-    `apply_chat_template` users do).
+    `apply_chat_template` users do). A compact vocabulary's qwen3_ids.json is attached as
+    `tok.qwen3_ids` (None for a full vocabulary); a directory whose special tokens are not at Qwen3's
+    ids and that has no such map is refused.
     """
     if model_dir is None:
         return build_qwen3_tokenizer()
@@ -255,15 +272,24 @@ def load_tokenizer(model_dir: str | None = None) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    id_map = path / "qwen3_ids.json"  # a compact vocabulary (prepare.py --trim-vocab): new id -> Qwen3 id
+    id_map = path / QWEN3_IDS_FILE  # a compact vocabulary (prepare.py --trim-vocab): new id -> Qwen3 id
     qwen3_ids = json.loads(id_map.read_text()) if id_map.is_file() else None
+    if qwen3_ids is not None and len(qwen3_ids) != len(tok):
+        raise ValueError(f"{id_map}: maps {len(qwen3_ids)} ids but {path / 'tokenizer.json'} has {len(tok)} tokens "
+                         "(the two files come from different prepare runs)")
     for tid, content, _ in QWEN3_ADDED_TOKENS:
         got = tok.convert_tokens_to_ids(content)
         if (qwen3_ids[got] if qwen3_ids is not None and got is not None and 0 <= got < len(qwen3_ids) else got) != tid:
-            raise ValueError(f"{model_dir}: token {content} has id {got}, Qwen3 uses {tid}"
-                             + (f" (through {id_map})" if qwen3_ids is not None else ""))
+            if qwen3_ids is None:
+                raise ValueError(f"{model_dir}: token {content} has id {got}, Qwen3 uses {tid}, and there is no "
+                                 f"{QWEN3_IDS_FILE} (a compact vocabulary's id map) beside tokenizer.json; copy it "
+                                 "from the training data's tokenizer/ folder (or re-export the run)")
+            raise ValueError(f"{model_dir}: token {content} has id {got}, which {id_map} maps to "
+                             f"{qwen3_ids[got] if got is not None and 0 <= got < len(qwen3_ids) else None}; "
+                             f"Qwen3 uses {tid}")
     if not getattr(tok, "chat_template", None):
         tok.chat_template = CHAT_TEMPLATE_PATH.read_text()
+    tok.qwen3_ids = qwen3_ids
     return tok
 
 

@@ -1,6 +1,7 @@
 """Trim the Qwen3 tokenizer to the tokens a corpus uses: a compact, reversible vocabulary for small models.
 
     tok_small, qwen3_ids = trim_tokenizer(tok, token_id_lists)     # qwen3_ids[new_id] = Qwen3 id
+    tok_small.qwen3_ids is qwen3_ids                               # saved with it (save_tokenizer)
 
 Why: a tiny CPU model with Qwen3's 151,936-row embedding and LM head spends almost all of its time
 and parameters on tokens the corpus never uses (WorldTUI cut the table to a few hundred tokens).
@@ -74,4 +75,5 @@ def trim_tokenizer(tokenizer: PreTrainedTokenizerFast, corpus_ids: Iterable[Iter
     init = {k: v for k, v in tokenizer.init_kwargs.items() if k in ("bos_token", "eos_token", "pad_token", "unk_token")}
     trimmed = PreTrainedTokenizerFast(tokenizer_object=backend, **{k: str(v) for k, v in init.items() if v is not None})
     trimmed.chat_template = tokenizer.chat_template
+    trimmed.qwen3_ids = qwen3_ids  # travels with the tokenizer: save_tokenizer writes qwen3_ids.json
     return trimmed, qwen3_ids

@@ -3,6 +3,9 @@
     from ds_ttt.evaluation.heldout import run_heldout
     results = run_heldout("RUN_OR_EXPORT", "DATA/manifest.json", "EVAL", context_policy=None)
 
+attention_backend: the inner loop's attention kernel ("reference", "auto" = the device's FlashBoB
+kernel, "cpu", "cuda"); results record the concrete one (`attention_backend`) and the request.
+
 context_policy: None evaluates under the model's trained policy; "full" / "window" / "current_round"
 replaces it after loading (runner.set_context_policy). Results record both (`context_policy`,
 `context_policy_trained`); the checkpoint provenance (and `config.sha256`) stay the trained ones.
@@ -74,9 +77,20 @@ def exposure(provenance: dict, manifest, split: str = "test", ids: set[str] | No
             "training_manifest_sha256": train_sha}
 
 
+def check_same_tokenizer(manifest, provenance: dict) -> None:
+    """The manifest's trajectories are rendered with the manifest's tokenizer: with a compact vocabulary
+    on either side it must be the model's own (another trim gives other ids)."""
+    mine = provenance.get("tokenizer") or {}
+    theirs = manifest.data["tokenizer"]
+    if (mine.get("trimmed") or theirs.get("trimmed")) and mine.get("sha256") != theirs["hash"]:
+        raise ValueError(f"{manifest.path}: its tokenizer (sha256 {theirs['hash']}) is not the model's "
+                         f"({mine.get('sha256')}, {mine.get('source')}), and a compact vocabulary gives other ids; "
+                         "evaluate on a manifest prepared with the model's tokenizer (its training manifest)")
+
+
 def run_heldout(checkpoint: str, manifest_path: str, out_dir: str, *, device: str = "cpu", limit: int | None = None,
                 progress: bool = True, modes=MODES, plots: bool = True, context_policy: str | None = None,
-                window: int | None = None) -> dict:
+                window: int | None = None, attention_backend: str = "reference") -> dict:
     from ds_ttt.data.manifest import load_manifest
     from ds_ttt.export import load_for_inference
 
@@ -84,7 +98,8 @@ def run_heldout(checkpoint: str, manifest_path: str, out_dir: str, *, device: st
     trajectories = manifest.rendered("test")
     if limit is not None:
         trajectories = trajectories[:limit]
-    loaded = load_for_inference(checkpoint, device=device)
+    loaded = load_for_inference(checkpoint, device=device, attention_backend=attention_backend)
+    check_same_tokenizer(manifest, loaded.provenance)
     trained_policy = loaded.model.ttt.context_policy
     if context_policy is not None:
         set_context_policy(loaded.model, context_policy, window=window)
@@ -94,6 +109,8 @@ def run_heldout(checkpoint: str, manifest_path: str, out_dir: str, *, device: st
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "context_policy": loaded.model.ttt.context_policy,
         "context_policy_trained": trained_policy,
+        "attention_backend": loaded.provenance["attention_backend"],
+        "attention_backend_requested": attention_backend,
         "exposure": exposure(loaded.provenance, manifest, ids={t.id for t in trajectories}),
         "checkpoint": loaded.provenance,
         "manifest": {"path": str(pathlib.Path(manifest_path)), "sha256": manifest.sha256, "split": "test",

@@ -14,7 +14,8 @@ token included (observation exact match of the readback round); a world passes o
 readbacks are exact. Reported for ttt and frozen, under the model's configured context policy
 (`current_round`: only the fast weights can carry a key across rounds; `full`: attention can copy it)
 or the one given as `context_policy` (runner.set_context_policy); results record both
-(`context_policy`, `context_policy_trained`).
+(`context_policy`, `context_policy_trained`). `attention_backend` ("reference", "auto", "cpu",
+"cuda") picks the attention kernel; the concrete one is recorded.
 """
 
 from __future__ import annotations
@@ -103,18 +104,14 @@ def markdown(results: dict) -> str:
 
 def run_memory_test(checkpoint: str, out_dir: str, *, num_worlds: int = 32, seed_base: int = MEMORY_SEED_BASE,
                     device: str = "cpu", progress: bool = True, modes=MODES, context_policy: str | None = None,
-                    window: int | None = None) -> dict:
+                    window: int | None = None, attention_backend: str = "reference") -> dict:
     from ds_ttt.export import load_for_inference
 
-    loaded = load_for_inference(checkpoint, device=device)
+    loaded = load_for_inference(checkpoint, device=device, attention_backend=attention_backend)
     trained_policy = loaded.model.ttt.context_policy
     if context_policy is not None:
         set_context_policy(loaded.model, context_policy, window=window)
-    tokenizer = loaded.tokenizer
-    if tokenizer is None:
-        from ds_ttt.data.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer()
+    tokenizer = loaded.tokenizer  # the model's own (a compact vocabulary's, hash-checked at load)
     worlds = memory_worlds(num_worlds, seed_base)
     results = {
         "format": RESULTS_FORMAT,
@@ -123,6 +120,8 @@ def run_memory_test(checkpoint: str, out_dir: str, *, num_worlds: int = 32, seed
         "seeds": [seed_base, seed_base + num_worlds - 1],
         "context_policy": loaded.model.ttt.context_policy,
         "context_policy_trained": trained_policy,
+        "attention_backend": loaded.provenance["attention_backend"],
+        "attention_backend_requested": attention_backend,
         "checkpoint": loaded.provenance,
         "config_sha256": loaded.provenance.get("config_sha256"),
         "contamination": contamination(worlds, loaded.provenance.get("manifest_path")),

@@ -2,11 +2,17 @@
 
   session.py   AgentModel (frozen weights + tokenizer, shared) and AgentSession (per-episode W + KV cache)
   service.py   `python -m ds_ttt.serve --model EXPORT`: JSONL requests on stdin, responses on stdout
+  kv_cache.py  the session's preallocated key/value cache (decoding writes in place)
   runner.py    `python -m ds_ttt.serve.runner --model EXPORT --task TEXT`: the agent's bash tool calls
                executed in a throwaway sandbox directory with timeouts
+  http.py      `python -m ds_ttt.serve.http --model EXPORT`: an OpenAI-compatible chat-completions
+               server (FastAPI + uvicorn) whose conversations are TTT sessions
+  openai_api.py    the OpenAI wire format (request validation, replies, SSE chunks, error objects)
+  conversations.py the server's sessions: lookup by session_id or message prefix, fork-and-commit,
+                   per-session locks, LRU eviction
 See docs/serving.md.
 """
 
-from ds_ttt.serve.session import AgentModel, AgentSession, SessionError
+from ds_ttt.serve.session import AgentModel, AgentSession, ContextFullError, SessionError
 
-__all__ = ["AgentModel", "AgentSession", "SessionError"]
+__all__ = ["AgentModel", "AgentSession", "ContextFullError", "SessionError"]

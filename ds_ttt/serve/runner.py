@@ -1,7 +1,8 @@
 """Try a model on a real task: the agent's bash tool calls run in a sandboxed throwaway directory.
 
     .venv/bin/python -m ds_ttt.serve.runner --model EXPORT --task "Count the lines of notes.txt" \
-        [--setup-dir DIR] [--max-rounds 20] [--timeout 10] [--temperature 0] [--max-new-tokens 512] [--keep]
+        [--setup-dir DIR] [--max-rounds 20] [--timeout 10] [--temperature 0] [--max-new-tokens 512] [--keep] \
+        [--device cpu] [--attention-backend {auto,reference,cpu,cuda}]
 
 Each command runs through `ds_ttt.data.sandbox.Sandbox` — the generator's own sandbox, so the
 observations look exactly like the training data: `bash --noprofile --norc -c CMD` in a fresh temporary
@@ -9,7 +10,8 @@ directory (also HOME), C locale, fixed PATH, stdin from /dev/null, a timeout, no
 `unshare -rn` where the kernel allows it, and the output formatted by `format_observation` (exit code
 and timeout notes appended, long output cut). The directory is deleted afterwards unless --keep.
 This is a convenience for trying a model, not a security boundary for untrusted code.
-Prints one JSON line per round (message, observation, observation loss) and a final summary.
+Prints one JSON line per round (message, observation, observation loss) and a final summary, which
+records the attention backend used.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def run_episode(session, task: str, runner: BashToolRunner, *, max_rounds: int =
 def main(argv=None) -> int:
     import argparse
 
+    from ds_ttt.config import ATTENTION_BACKENDS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="export directory")
     p.add_argument("--task", required=True)
@@ -98,16 +102,19 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="reference",
+                   help="attention kernel: reference (default), auto (cuda on a GPU, cpu kernel on a CPU), cpu, cuda")
     p.add_argument("--keep", action="store_true", help="keep the sandbox directory")
     args = p.parse_args(argv)
     from ds_ttt.serve.session import AgentSession
 
     session = AgentSession(args.model, device=args.device, temperature=args.temperature,
-                           max_new_tokens=args.max_new_tokens)
+                           max_new_tokens=args.max_new_tokens, attention_backend=args.attention_backend)
     with BashToolRunner(timeout=args.timeout, keep=args.keep, setup_dir=args.setup_dir) as runner:
         result = run_episode(session, args.task, runner, max_rounds=args.max_rounds,
                              on_round=lambda r: print(json.dumps(r, ensure_ascii=False), flush=True))
         summary = {k: v for k, v in result.items() if k != "rounds"}
+        summary["attention_backend"] = session.agent.attention_backend
         if args.keep:
             summary["sandbox"] = str(runner.root)
     print(json.dumps(summary), flush=True)

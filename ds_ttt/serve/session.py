@@ -9,24 +9,30 @@
 
 Exactly the training computation (ds_ttt/model/event_loop.py), incrementally:
   * tokens are rendered with the training renderer (`render_trajectory` for the prompt,
-    `render_generation_prompt` / `render_action_end` / `render_observation` per turn); a replayed
+    `render_generation_prompt` / `render_action_end` / `render_message` per turn); a replayed
     conversation has the same token ids, kinds and round ids as `render_trajectory` of it;
-  * every layer runs event-wise with a per-layer key/value cache pruned by the model's context policy
-    (`forward_event`; the frozen prefix layers use the same function without fast weights), which is
-    mathematically what training computes with a whole-sequence mask for the prefix;
-  * round r (`<|im_start|>assistant\\n`, the action, `\\n`, then the tool results) is processed with the
+  * every layer runs event-wise against this session's preallocated key/value cache (kv_cache.py),
+    laid out so that the model's context policy is one contiguous slice of it; that is mathematically
+    what training computes with a whole-sequence mask for the frozen prefix;
+  * round r (`<|im_start|>assistant\n`, the action, `\n`, then the tool results) is processed with the
     fast weights W_{r-1}. `observe` re-runs the whole round in one chunk from the cache as it was before
     the round — as the training event does — so the inner gradient also flows through the action
     tokens' keys/values, scores the observation tokens (L_obs) and takes one clipped SGD step
-    W_r = W_{r-1} - lr * clip(grad L_obs). The backbone is frozen; W lives in this session only.
-Generation is greedy (temperature 0) or sampled (temperature, top-p, seeded) until `<|im_end|>`.
+    W_r = W_{r-1} - lr * clip(grad L_obs). The backbone is frozen; W lives in this session only
+    (`update=False`: a frozen session, W_0 throughout).
+Generation is greedy (temperature 0) or sampled (temperature, top-p, seeded) until `<|im_end|>`,
+one token per step into the preallocated cache (no re-concatenation per token).
 `act(force=message)` feeds a given action instead (replay / teacher forcing) and records its NLL.
+`fork()` copies a session (W, cache, history) so a caller can try a sequence of operations and keep
+the copy only if all of them succeed.
+The attention kernel is the model's `ttt.attention_backend` (`AgentModel.load(..., attention_backend=)`).
 
 Shape letters: T tokens, V vocab.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pathlib
 from dataclasses import dataclass, field
@@ -35,11 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from ds_ttt.data.render import (
-    parse_assistant_message, render_action, render_action_end, render_generation_prompt, render_observation,
+    parse_assistant_message, render_action, render_action_end, render_generation_prompt, render_message,
     render_trajectory)
-from ds_ttt.model.context import LayerCache
-from ds_ttt.model.event_loop import forward_event, observation_labels
+from ds_ttt.model.event_loop import observation_labels
 from ds_ttt.model.fast_weights import inner_sgd_step
+from ds_ttt.ops.flashbob import attention
+from ds_ttt.serve.kv_cache import KVCache
 
 CONTEXT, ACTION, OBSERVATION = 0, 1, 2
 
@@ -60,10 +67,21 @@ class SessionError(RuntimeError):
     """A request that does not fit the session's state (the session itself is unchanged)."""
 
 
+class ContextFullError(SessionError):
+    """The conversation does not fit the model's context (`max_context` tokens)."""
+
+    def __init__(self, needed: int, capacity: int):
+        super().__init__(f"context full: {needed} tokens > max_context={capacity}")
+        self.needed, self.capacity = needed, capacity
+
+
 class AgentModel:
     """A frozen TTT model + tokenizer, shared by any number of sessions (each keeps its own W and cache)."""
 
     def __init__(self, model, tokenizer, provenance: dict | None = None):
+        from ds_ttt.export import check_tokenizer_fits
+
+        check_tokenizer_fits(tokenizer, model.config, where="AgentModel")
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.provenance = provenance or {}
@@ -75,16 +93,18 @@ class AgentModel:
 
     @classmethod
     def load(cls, path: str | pathlib.Path, *, device: str = "cpu", attention_backend: str | None = "reference") -> "AgentModel":
-        """From an export directory (or a training checkpoint)."""
+        """From an export directory (or a training checkpoint), with its own tokenizer (a compact
+        vocabulary's included; see ds_ttt.export.load_for_inference). attention_backend: "reference",
+        "auto" (cuda on a GPU, the cpu kernel on a CPU), "cpu", "cuda"; the concrete one is
+        `provenance["attention_backend"]`."""
         from ds_ttt.export import load_for_inference
 
         loaded = load_for_inference(path, device=device, attention_backend=attention_backend, hash_files=False)
-        tok = loaded.tokenizer
-        if tok is None:
-            from ds_ttt.data.tokenizer import load_tokenizer
+        return cls(loaded.model, loaded.tokenizer, loaded.provenance)
 
-            tok = load_tokenizer()
-        return cls(loaded.model, tok, loaded.provenance)
+    @property
+    def attention_backend(self) -> str:
+        return self.model.ttt.attention_backend
 
 
 @dataclass
@@ -110,26 +130,44 @@ class _State:
     ids: list[int]
     kinds: list[int]
     rounds: list[int]
-    caches: list[LayerCache]
+    cache: KVCache
+    num_slots: int  # valid cache slots (see kv_cache.py for the layout)
+    prompt_slots: int  # slots of round 0 (system prompt + task)
     weights: tuple
     round: int
     phase: str  # "act" (expects act) | "acted" (expects observe or act)
-    round_start: int
-    caches_before_round: list[LayerCache]
+    round_start: int  # position of the current round's first token
+    round_slot: int  # its cache slot
     messages: list[dict]
     history: list[RoundLog]
+    tools: list | None
+    num_updates: int = 0
+    num_skipped: int = 0
 
 
 class AgentSession:
     def __init__(self, model: "str | pathlib.Path | AgentModel", *, device: str = "cpu", max_new_tokens: int = 1024,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, track_after: bool = False,
-                 max_context: int | None = None):
-        self.agent = model if isinstance(model, AgentModel) else AgentModel.load(model, device=device)
+                 max_context: int | None = None, update: bool = True, attention_backend: str = "reference"):
+        self.agent = (model if isinstance(model, AgentModel)
+                      else AgentModel.load(model, device=device, attention_backend=attention_backend))
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.track_after = track_after
+        self.update = update
         self.max_context = max_context or self.agent.model.config.max_position_embeddings
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._s: _State | None = None
+
+    def fork(self) -> "AgentSession":
+        """An independent copy (same shared model): its W, cache, history and RNG evolve separately."""
+        s = self._state()
+        twin = copy.copy(self)
+        twin.generator = torch.Generator(device="cpu")
+        twin.generator.set_state(self.generator.get_state())
+        twin._s = dataclasses.replace(
+            s, ids=list(s.ids), kinds=list(s.kinds), rounds=list(s.rounds), cache=s.cache.clone(s.num_slots),
+            messages=copy.deepcopy(s.messages), history=copy.deepcopy(s.history), tools=copy.deepcopy(s.tools))
+        return twin
 
     # ---- public state --------------------------------------------------------------------------
     @property
@@ -168,38 +206,78 @@ class AgentSession:
     def fast_weights(self) -> tuple:
         return self._state().weights
 
+    @property
+    def tools(self) -> list | None:
+        return self._state().tools
+
+    @property
+    def phase(self) -> str:
+        return self._state().phase
+
+    @property
+    def num_updates(self) -> int:
+        """Inner updates taken so far (one per observed round with observation tokens)."""
+        return self._state().num_updates
+
+    @property
+    def num_skipped(self) -> int:
+        """Inner updates skipped for a non-finite gradient."""
+        return self._state().num_skipped
+
     def _state(self) -> _State:
         if self._s is None:
             raise SessionError("no episode: call reset(task) first")
         return self._s
 
     # ---- model plumbing ------------------------------------------------------------------------
-    def _forward(self, chunk_ids: list[int], start: int, round_id: int, caches, weights, want: list[int]):
-        """Run new tokens (positions start..) through every layer against `caches`.
+    def _visible_from(self, slot: int) -> int:
+        """First cache slot a query at `slot` may see (window: slot = position; see kv_cache.py)."""
+        policy = self.model.policy
+        return max(0, slot - policy.window + 1) if policy.kind == "window" else 0
 
-        Returns (float logits [len(want), V] at chunk indices `want`, caches with the chunk appended)."""
+    def _forward(self, chunk_ids: list[int], start: int, slot: int, cache: KVCache, weights, want: list[int], *,
+                 keep_graph: bool = False):
+        """Run new tokens (positions start.., cache slots slot..) through every layer.
+
+        Default: the new keys/values are written into `cache` at their slots and attention reads the
+        visible slice in place. keep_graph=True (the inner step): the cache is only read (its slice
+        concatenated with the new keys/values once per layer, so the inner gradient flows through
+        them) and the new keys/values are returned for the caller to commit.
+        Returns (float logits [len(want), V] at chunk indices `want`, [(k, v) per layer] or None)."""
         if start + len(chunk_ids) > self.max_context:
-            raise SessionError(f"context full: {start + len(chunk_ids)} tokens > max_context={self.max_context}")
+            raise ContextFullError(start + len(chunk_ids), self.max_context)
         m, dev = self.model, self.agent.device
+        n = len(chunk_ids)
+        cache.ensure(slot + n)
         ids = torch.tensor([chunk_ids], device=dev)
         h = m.model.embed_tokens(ids)
-        positions = torch.arange(start, start + len(chunk_ids), device=dev)
-        pos_emb = m.model.rotary_emb(h, positions[None])
-        h, outs = forward_event(m.model.layers, caches, h, pos_emb, start, round_id, m.policy, m.ttt.attention_backend,
-                                weights)
+        pos_emb = m.model.rotary_emb(h, torch.arange(start, start + n, device=dev)[None])
+        lo = self._visible_from(slot)
+        window = m.policy.window if m.policy.kind == "window" else 0
+        backend = m.ttt.attention_backend
+        new_kv = [] if keep_graph else None
+        it = iter(weights or ())
+        for i, layer in enumerate(m.model.layers):
+            def attend(q, k, v, i=i):
+                if keep_graph:
+                    k_old, v_old = cache.view(i, lo, slot)
+                    new_kv.append((k, v))
+                    k_all, v_all = torch.cat([k_old, k], 2), torch.cat([v_old, v], 2)
+                else:
+                    cache.write(i, slot, k, v)
+                    k_all, v_all = cache.view(i, lo, slot + n)
+                return attention(q, k_all, v_all, causal=True, window=window, q_offset=slot - lo, k_offset=0,
+                                 backend=backend)
+            w = (next(it), next(it), next(it)) if layer.is_adaptive and weights else None
+            h, _ = layer(h, pos_emb, attend, w)
         logits = m.lm_head(m.model.norm(h[0, torch.tensor(want, dtype=torch.long, device=dev)]))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        rounds = torch.full((len(chunk_ids),), round_id, dtype=torch.long, device=dev)
-        new = [kept.append(k.detach(), v.detach(), positions, rounds) for kept, k, v in outs]
-        return logits, new
+        return logits, new_kv
 
-    def _empty_caches(self) -> list[LayerCache]:
-        like = []
-        for layer in self.model.model.layers:
-            attn = layer.self_attn
-            p = attn.k_proj.weight
-            like.append(LayerCache.empty(p.new_zeros(1, attn.config.num_key_value_heads, 0, attn.head_dim)))
-        return like
+    def _slot_of_new_round(self, s: _State, start: int) -> int:
+        """Cache slot of a new round starting at position `start`: current_round reuses the slots after
+        round 0 (no later query may see an earlier round); full/window keep slot = position."""
+        return s.prompt_slots if self.model.policy.kind == "current_round" else start
 
     def _choose(self, logits_V: torch.Tensor, temperature: float, top_p: float) -> int:
         if temperature <= 0:
@@ -221,15 +299,23 @@ class AgentSession:
         system = default_system_prompt() if system is None else system
         tools = default_tools() if tools is None else tools
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": task}]
+        return self.reset_messages(messages, tools=tools)
+
+    def reset_messages(self, messages: list[dict], *, tools: list | None = None) -> dict:
+        """Start an episode from its round-0 messages (system and user turns, no assistant yet)."""
+        if not messages or any(m.get("role") not in ("system", "user") for m in messages):
+            raise SessionError("an episode starts with system/user messages only (the task), before any assistant turn")
         r = render_trajectory({"id": "session", "messages": messages, "tools": tools or None}, self.tokenizer)
-        caches0 = self._empty_caches()
+        n = len(r.input_ids)
+        cache = KVCache.for_model(self.model, capacity=n + 2 * min(self.max_new_tokens, 1024) + 64,
+                                  max_capacity=self.max_context)
         weights = tuple(w.detach().clone() for w in self.model.initial_fast_weights())
         with torch.no_grad():
-            _, caches = self._forward(r.input_ids, 0, 0, caches0, weights, want=[])
-        self._s = _State(ids=list(r.input_ids), kinds=list(r.kinds), rounds=list(r.rounds), caches=caches,
-                         weights=weights, round=0, phase="act", round_start=0, caches_before_round=caches0,
-                         messages=messages, history=[])
-        return {"round": 0, "num_tokens": len(r.input_ids)}
+            self._forward(r.input_ids, 0, 0, cache, weights, want=[])
+        self._s = _State(ids=list(r.input_ids), kinds=list(r.kinds), rounds=list(r.rounds), cache=cache,
+                         num_slots=n, prompt_slots=n, weights=weights, round=0, phase="act", round_start=0,
+                         round_slot=0, messages=copy.deepcopy(messages), history=[], tools=copy.deepcopy(tools))
+        return {"round": 0, "num_tokens": n}
 
     def act(self, *, force: dict | str | None = None, max_new_tokens: int | None = None,
             temperature: float | None = None, top_p: float | None = None) -> dict:
@@ -240,9 +326,13 @@ class AgentSession:
         ag = self.agent
         temperature = self.temperature if temperature is None else temperature
         top_p = self.top_p if top_p is None else top_p
-        r, start, before, w = s.round + 1, len(s.ids), s.caches, s.weights
+        r, start, w = s.round + 1, len(s.ids), s.weights
+        slot0 = self._slot_of_new_round(s, start)
         prompt, end = ag.prompt_ids, ag.action_end_ids
         log = RoundLog(round=r, forced=force is not None)
+        # Cache writes go to slots at or after slot0, which no committed state still needs: full/window
+        # write past the last valid slot; current_round overwrites the finished round, which `observe`
+        # never reads (it re-runs its round from round 0's slots). So a failure leaves the session usable.
         with torch.no_grad():
             if force is not None:
                 if isinstance(force, dict):
@@ -253,89 +343,124 @@ class AgentSession:
                         action.append(ag.im_end_id)
                 chunk = prompt + action + end
                 want = list(range(len(prompt) - 1, len(prompt) + len(action) - 1))
-                logits, caches = self._forward(chunk, start, r, before, w, want)
+                logits, _ = self._forward(chunk, start, slot0, s.cache, w, want)
                 log.action_token_nll = F.cross_entropy(logits, torch.tensor(action, device=logits.device),
                                                        reduction="none").tolist()
             else:
-                budget = min(max_new_tokens or self.max_new_tokens, self.max_context - start - len(prompt) - len(end) - 1)
-                if budget <= 0:
-                    raise SessionError(f"context full: {start} tokens, max_context={self.max_context}")
-                logits, caches = self._forward(prompt, start, r, before, w, [len(prompt) - 1])
-                pos, action = start + len(prompt), []
-                while True:
-                    tok = self._choose(logits[-1], temperature, top_p)
-                    log.action_token_nll.append(float(-torch.log_softmax(logits[-1], -1)[tok]))
-                    action.append(tok)
-                    if tok in ag.stop_ids or len(action) >= budget:
-                        break
-                    logits, caches = self._forward([tok], pos, r, caches, w, [0])
-                    pos += 1
-                tail = [action[-1]]
-                if action[-1] not in ag.stop_ids:
-                    log.truncated = True
-                    action.append(ag.im_end_id)
-                    tail.append(ag.im_end_id)
-                elif action[-1] != ag.im_end_id:  # <|endoftext|>: close the turn as the renderer does
-                    action[-1] = tail[-1] = ag.im_end_id
-                _, caches = self._forward(tail + end, pos, r, caches, w, [])
+                action, log.truncated, log.action_token_nll = self._generate(
+                    s, start, slot0, w, max_new_tokens or self.max_new_tokens, temperature, top_p)
         text = self.tokenizer.decode(action, skip_special_tokens=False)
         message = parse_assistant_message(text)
         if log.truncated:
             message["truncated"] = True
         log.action_ids = action
-        # commit (nothing above mutated the session, so a failure leaves it as it was)
+        # commit
+        n = len(prompt) + len(action) + len(end)
         s.ids += prompt + action + end
         s.kinds += [CONTEXT] * len(prompt) + [ACTION] * len(action) + [CONTEXT] * len(end)
-        s.rounds += [r] * (len(prompt) + len(action) + len(end))
-        s.caches, s.caches_before_round, s.round_start = caches, before, start
+        s.rounds += [r] * n
+        s.num_slots, s.round_start, s.round_slot = slot0 + n, start, slot0
         s.round, s.phase = r, "acted"
         s.messages.append({k: v for k, v in message.items() if k != "truncated"})
         s.history.append(log)
         return message
 
+    def _generate(self, s: _State, start: int, slot0: int, w, max_new_tokens: int, temperature: float, top_p: float):
+        """Decode one action: the generation prompt in one chunk, then one token per step into the
+        preallocated cache, until a stop token or the budget; closes the turn (`<|im_end|>`, `\n`) in
+        the cache. Returns (action ids ending in <|im_end|>, truncated, NLL of each generated token)."""
+        ag = self.agent
+        prompt, end = ag.prompt_ids, ag.action_end_ids
+        budget = min(max_new_tokens, self.max_context - start - len(prompt) - len(end) - 1)
+        if budget <= 0:
+            raise ContextFullError(start + len(prompt) + len(end) + 1, self.max_context)
+        logits, _ = self._forward(prompt, start, slot0, s.cache, w, [len(prompt) - 1])
+        pos, slot, action, nll = start + len(prompt), slot0 + len(prompt), [], []
+        while True:
+            logits_V = logits[-1]
+            tok = self._choose(logits_V, temperature, top_p)
+            nll.append(float(torch.logsumexp(logits_V, -1) - logits_V[tok]))
+            action.append(tok)
+            if tok in ag.stop_ids or len(action) >= budget:
+                break
+            logits, _ = self._forward([tok], pos, slot, s.cache, w, [0])
+            pos, slot = pos + 1, slot + 1
+        tail = [action[-1]]
+        truncated = action[-1] not in ag.stop_ids
+        if truncated:
+            action.append(ag.im_end_id)
+            tail.append(ag.im_end_id)
+        elif action[-1] != ag.im_end_id:  # <|endoftext|>: close the turn as the renderer does
+            action[-1] = tail[-1] = ag.im_end_id
+        self._forward(tail + end, pos, slot, s.cache, w, [])
+        return action, truncated, nll
+
     def observe(self, outputs: str | list[str]) -> float | None:
         """Feed the tool output(s) of the last action; one inner step on W. Returns the observation's
         mean NLL under the pre-update W (None when the outputs render to no observation tokens)."""
-        s = self._state()
-        if s.phase != "acted":
-            raise SessionError("observe() must follow act(): pass every tool output of the last action in one call")
         outputs = [outputs] if isinstance(outputs, str) else outputs
         if not isinstance(outputs, list) or not outputs or not all(isinstance(o, str) for o in outputs):
             raise SessionError("observe needs a string or a non-empty list of strings (one per tool call)")
-        obs_ids, obs_kinds = render_observation(outputs, self.tokenizer)
+        s = self._state()
+        calls = (s.messages[-1].get("tool_calls") or []) if s.messages and s.phase == "acted" else []
+        return self.observe_messages([{"role": "tool", "tool_call_id": calls[i]["id"] if i < len(calls) else f"call_{i}",
+                                       "content": out} for i, out in enumerate(outputs)])
+
+    def observe_messages(self, messages: list[dict]) -> float | None:
+        """Feed what followed the last action: tool results and/or user turns (a user turn after the
+        first action is an observation, e.g. Terminus' "New Terminal Output:"), rendered exactly as
+        `render_trajectory` renders them; one inner step on W for all of them (one training event)."""
+        s = self._state()
+        if s.phase != "acted":
+            raise SessionError("observe() must follow act(): pass every tool output of the last action in one call")
+        if not messages or any(m.get("role") not in ("tool", "user") or not isinstance(m.get("content"), str)
+                               for m in messages):
+            raise SessionError("an observation is a non-empty list of tool/user messages with string content")
+        obs_ids, obs_kinds = [], []
+        for i, msg in enumerate(messages):
+            a, b = render_message(msg, self.tokenizer, prev_role=messages[i - 1]["role"] if i else "assistant",
+                                  next_role=messages[i + 1]["role"] if i + 1 < len(messages) else None,
+                                  as_observation=True)
+            obs_ids += a
+            obs_kinds += b
         round_ids = s.ids[s.round_start:] + obs_ids
         round_kinds = s.kinds[s.round_start:] + obs_kinds
         ttt = self.model.ttt
         # the labels of the training loop's observation loss (label j predicts token j + 1)
         want = observation_labels(torch.tensor(round_kinds[1:]), with_end=ttt.obs_loss_with_end).nonzero().flatten().tolist()
         labels = torch.tensor([round_ids[j + 1] for j in want], dtype=torch.long, device=self.agent.device)
-        can_update = bool(want) and len(s.weights) > 0 and ttt.inner_lr > 0
+        can_update = self.update and bool(want) and len(s.weights) > 0 and ttt.inner_lr > 0
         new_w, obs_nll, updated, skipped, after = s.weights, None, False, False, None
         with torch.enable_grad() if can_update else torch.no_grad():
             w = tuple(x.detach().requires_grad_(True) for x in s.weights) if can_update else s.weights
-            logits, caches = self._forward(round_ids, s.round_start, s.round, s.caches_before_round, w, want)
+            logits, new_kv = self._forward(round_ids, s.round_start, s.round_slot, s.cache, w, want, keep_graph=True)
             if want:
                 loss = F.cross_entropy(logits, labels)
                 obs_nll = float(loss.detach())
             if can_update:
                 res = inner_sgd_step(loss, w, lr=ttt.inner_lr, max_norm=ttt.inner_max_norm, create_graph=False)
-                new_w = tuple(x.detach() for x in res.weights)
-                updated, skipped = not res.skipped, res.skipped
+                skipped = bool(res.skipped)
+                new_w = s.weights if skipped else tuple(x.detach() for x in res.weights)
+                updated = not skipped
         if self.track_after and updated:
             with torch.no_grad():
-                logits_after, _ = self._forward(round_ids, s.round_start, s.round, s.caches_before_round, new_w, want)
+                logits_after, _ = self._forward(round_ids, s.round_start, s.round_slot, s.cache, new_w, want,
+                                                keep_graph=True)
                 after = float(F.cross_entropy(logits_after, labels))
-        # commit (nothing above mutated the session)
+        # commit: the round's keys/values (computed in one chunk with W_{r-1}, as training) replace the
+        # ones written while acting, and the observation's follow them
+        for i, (k, v) in enumerate(new_kv):
+            s.cache.write(i, s.round_slot, k.detach(), v.detach())
         log = s.history[-1]
         log.obs_tokens, log.obs_nll, log.obs_nll_after, log.updated, log.skipped = len(want), obs_nll, after, updated, skipped
         s.ids += obs_ids
         s.kinds += obs_kinds
         s.rounds += [s.round] * len(obs_ids)
-        s.caches, s.weights, s.phase = caches, new_w, "act"
-        calls = (s.messages[-1].get("tool_calls") or []) if s.messages else []
-        for i, out in enumerate(outputs):
-            call_id = calls[i]["id"] if i < len(calls) else f"call_{i}"
-            s.messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
+        s.num_slots = s.round_slot + len(round_ids)
+        s.weights, s.phase = new_w, "act"
+        s.num_updates += int(updated)
+        s.num_skipped += int(skipped)
+        s.messages.extend(copy.deepcopy(messages))
         return obs_nll
 
     def snapshot(self) -> dict:

@@ -126,6 +126,7 @@ def test_export_from_a_training_checkpoint(tmp_path, tiny_qwen3_config, monkeypa
     provenance (weights-only checkpoint hash), the trainer's data_ids.json and the tokenizer."""
     from ds_ttt.train.checkpoint import RunInfo
 
+    tiny_qwen3_config.vocab_size = 151936  # Qwen3's vocabulary: the export may take Qwen3's own tokenizer
     model = trained_like_model(tiny_qwen3_config, context_policy="current_round")
     ckpt = tmp_path / "run" / "step_00000012"
     ckpt.mkdir(parents=True)

@@ -1,0 +1,79 @@
+"""A session's key/value cache for decoding: preallocated per-layer buffers, written in place.
+
+    cache = KVCache.for_model(model, capacity=1024)      # grows geometrically, never per token
+    cache.write(layer, slot, k_1HTD, v_1HTD)              # keys/values of new tokens at slots slot..
+    k, v = cache.view(layer, lo, hi)                      # slots lo..hi-1: a view, no copy
+
+Decoding one token appends it with one in-place copy per layer instead of re-concatenating the
+whole cache (the torch.cat-per-token cost is O(S) per token, O(S^2) per reply). Capacity doubles
+when full (amortized O(1) per token); the serving session decides which slot each token takes and
+which slots a query may see, so the context policy needs no gather:
+
+  full, window    slot = absolute position; a query sees slots [lo, its own slot] with lo = 0
+                  (full) or the first position inside the window (window);
+  current_round   slots [0, n0) hold round 0 (system prompt + task), slots from n0 on the current
+                  round only: a new round overwrites the previous one, which no later query may see.
+
+Either way the visible keys are one contiguous slice, and FlashBoB's causal (and window) mask over
+"cached slots ++ new slots" with compressed offsets (q_offset = slot - lo, k_offset = 0) equals the
+training mask (ds_ttt/model/context.py explains why compressed indexing is exact).
+
+Shape letters: L layers, H kv heads, S slots (capacity), T new tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, k_L1HSD: list[torch.Tensor], v_L1HSD: list[torch.Tensor], max_capacity: int):
+        self.k, self.v = k_L1HSD, v_L1HSD
+        self.max_capacity = max_capacity
+
+    @classmethod
+    def for_model(cls, model, *, capacity: int, max_capacity: int) -> "KVCache":
+        """Empty buffers for every decoder layer of a TTTQwen3ForCausalLM (its device and dtype)."""
+        ks, vs = [], []
+        capacity = max(1, min(capacity, max_capacity))
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            p = attn.k_proj.weight
+            ks.append(p.new_empty(1, attn.config.num_key_value_heads, capacity, attn.head_dim))
+            vs.append(p.new_empty(1, attn.config.num_key_value_heads, capacity, attn.head_dim))
+        return cls(ks, vs, max_capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def ensure(self, num_slots: int) -> None:
+        """Make room for slots 0..num_slots-1 (doubling; existing contents are kept)."""
+        if num_slots <= self.capacity:
+            return
+        if num_slots > self.max_capacity:
+            raise ValueError(f"KV cache: {num_slots} slots exceed the capacity {self.max_capacity}")
+        new_cap = min(max(num_slots, 2 * self.capacity), self.max_capacity)
+        for buf in (self.k, self.v):
+            for i, old in enumerate(buf):
+                grown = old.new_empty(old.shape[0], old.shape[1], new_cap, old.shape[3])
+                grown[:, :, :old.shape[2]].copy_(old)
+                buf[i] = grown
+
+    def write(self, layer: int, slot: int, k_1HTD: torch.Tensor, v_1HTD: torch.Tensor) -> None:
+        t = k_1HTD.shape[2]
+        self.k[layer][:, :, slot:slot + t].copy_(k_1HTD)
+        self.v[layer][:, :, slot:slot + t].copy_(v_1HTD)
+
+    def view(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
+
+    def clone(self, num_slots: int) -> "KVCache":
+        """An independent copy holding slots 0..num_slots-1 (for forking a session)."""
+        cap = max(1, min(max(num_slots, self.capacity), self.max_capacity))
+
+        def copy(t):
+            out = t.new_empty(t.shape[0], t.shape[1], cap, t.shape[3])
+            out[:, :, :num_slots].copy_(t[:, :, :num_slots])
+            return out
+        return KVCache([copy(t) for t in self.k], [copy(t) for t in self.v], self.max_capacity)

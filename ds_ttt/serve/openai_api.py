@@ -1,0 +1,275 @@
+"""The OpenAI chat-completions wire format: validate a request, shape a reply, an error, or SSE chunks.
+
+    req = parse_chat_request(body, served_model="tiny-export", capacity=16384)   # raises APIError
+    reply = completion(reply_id, model, message, finish_reason, usage, ttt)     # the JSON object
+    chunks = stream_chunks(reply)                                               # "data: {...}\n\n" ...
+
+Pure functions over JSON values; no model and no web framework here (ds_ttt/serve/http.py serves
+them, ds_ttt/serve/conversations.py runs the sessions). What is accepted:
+
+  messages      system / developer (as system), user, assistant (content, tool_calls, optional
+                reasoning_content), tool (tool_call_id naming a call of the assistant message before
+                it, content). Content is a string, null (assistant with tool calls) or a list of text
+                parts. The conversation starts with system/user turns (the task, round 0); an assistant
+                turn is followed by its tool results and/or user turns (observations); the last
+                message is user or tool (the server writes the next assistant turn).
+  tools         [{"type": "function", "function": {"name", "description"?, "parameters"?}}]
+  sampling      temperature (0 = greedy; omitted: greedy, the export's generation_config), top_p,
+                max_tokens / max_completion_tokens, seed, stream (+ stream_options.include_usage)
+  ds_ttt        session_id (the `openai` client's extra_body), "ttt": false (frozen weights)
+  accepted, no effect  user, metadata, store, parallel_tool_calls, tool_choice "auto", n = 1,
+                logprobs false, frequency/presence penalty 0, response_format {"type": "text"}
+Anything else is a 400 naming the field, as OpenAI answers unknown arguments.
+
+Errors are OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from ds_ttt.data.render import contains_control_tokens
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_NO_EFFECT = {"user", "metadata", "store", "parallel_tool_calls"}
+_MUST_BE = {"n": 1, "logprobs": False, "frequency_penalty": 0, "presence_penalty": 0, "tool_choice": "auto"}
+_KNOWN = {"model", "messages", "tools", "temperature", "top_p", "max_tokens", "max_completion_tokens", "seed",
+          "stream", "stream_options", "session_id", "ttt", "response_format", "top_logprobs"} | _NO_EFFECT | set(_MUST_BE)
+
+
+class APIError(Exception):
+    """An error reply: HTTP status + OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]  # canonical: role in system/user/assistant/tool, content str
+    tools: list | None
+    temperature: float
+    top_p: float
+    max_tokens: int | None
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    session_id: str | None
+    ttt: bool
+    extra: dict = field(default_factory=dict)
+
+
+def _text(content, param: str, *, allow_null: bool) -> str:
+    if content is None:
+        if allow_null:
+            return ""
+        raise bad(f"{param} is required", param)
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"{param}[{i}]: only text content parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
+                          f"{param}[{i}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"{param} must be a string, null or a list of text parts, got {type(content).__name__}", param)
+
+
+def _number(body: dict, key: str, default, lo: float, hi: float, *, integer: bool = False):
+    if body.get(key) is None:
+        return default
+    val = body[key]
+    ok = isinstance(val, int) if integer else isinstance(val, (int, float))
+    if isinstance(val, bool) or not ok or not (lo <= val <= hi):
+        kind = "an integer" if integer else "a number"
+        raise bad(f"{key} must be {kind} in [{lo}, {hi}], got {val!r}", key)
+    return val
+
+
+def _tool_calls(calls, param: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad(f"{param} must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        p = f"{param}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(call.get("id"), str):
+            raise bad(f"{p} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}", p)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                json.loads(args)
+            except ValueError as e:
+                raise bad(f"{p}.function.arguments is not JSON: {e}", f"{p}.function.arguments") from None
+        elif not isinstance(args, dict):
+            raise bad(f"{p}.function.arguments must be a JSON string", f"{p}.function.arguments")
+        out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def parse_messages(messages) -> list[dict]:
+    """Canonical messages (see the module docstring); 400 on anything the renderer cannot take."""
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list", "messages")
+    out: list[dict] = []
+    open_calls: set[str] = set()
+    seen_assistant = False
+    for i, m in enumerate(messages):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{p} must be an object", p)
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"{p}.role {role!r} is not one of {', '.join(ROLES)}", f"{p}.role")
+        role = "system" if role == "developer" else role
+        content = _text(m.get("content"), f"{p}.content", allow_null=role == "assistant")
+        bad_token = contains_control_tokens(content)
+        if bad_token:
+            raise bad(f"{p}.content contains the chat-control token {bad_token}", f"{p}.content")
+        msg: dict = {"role": role, "content": content}
+        if role == "system" and seen_assistant:
+            raise bad(f"{p}: a system message after the first assistant turn is not supported", f"{p}.role")
+        if role == "assistant":
+            seen_assistant = True
+            calls = _tool_calls(m["tool_calls"], f"{p}.tool_calls") if m.get("tool_calls") else []
+            if calls:
+                msg["tool_calls"] = calls
+            reasoning = m.get("reasoning_content")
+            if reasoning is not None:
+                msg["reasoning_content"] = _text(reasoning, f"{p}.reasoning_content", allow_null=True)
+            open_calls = {c["id"] for c in calls}
+        elif role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or call_id not in open_calls:
+                raise bad(f"{p}: tool message without its call (tool_call_id {call_id!r} is not a tool call of the "
+                          "assistant message before it)", f"{p}.tool_call_id")
+            open_calls.discard(call_id)
+            msg["tool_call_id"] = call_id
+        out.append(msg)
+    first = next(i for i, m in enumerate(out + [{"role": "assistant"}]) if m["role"] != "system")
+    if first >= len(out) or out[first]["role"] != "user":
+        raise bad("the conversation must start with system messages and a user message (the task)", "messages")
+    if out[-1]["role"] not in ("user", "tool"):
+        raise bad(f"messages[{len(out) - 1}]: the last message must be user or tool (the server writes the next "
+                  "assistant turn)", f"messages[{len(out) - 1}].role")
+    return out
+
+
+def parse_tools(tools) -> list | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("tools must be a list", "tools")
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict) \
+                or not isinstance(t["function"].get("name"), str):
+            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}", f"tools[{i}]")
+    return tools or None
+
+
+def parse_chat_request(body, *, served_model: str) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - _KNOWN)
+    if unknown:
+        raise bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    for key, want in _MUST_BE.items():
+        if body.get(key) is not None and body[key] != want:
+            raise bad(f"{key}={body[key]!r} is not supported (only {want!r})", key)
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise bad("response_format: only {\"type\": \"text\"} is supported", "response_format")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad("model is required (GET /v1/models lists it)", "model")
+    if model != served_model:
+        raise APIError(404, f"The model {model!r} does not exist; this server serves {served_model!r}",
+                       param="model", code="model_not_found")
+    max_tokens = _number(body, "max_completion_tokens", None, 1, 1 << 30, integer=True)
+    max_tokens = _number(body, "max_tokens", max_tokens, 1, 1 << 30, integer=True)
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad("stream must be a boolean", "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    sid = body.get("session_id")
+    if sid is not None and not isinstance(sid, str):
+        raise bad("session_id must be a string", "session_id")
+    ttt = body.get("ttt", True)
+    if not isinstance(ttt, bool):
+        raise bad("ttt must be true or false", "ttt")
+    return ChatRequest(
+        model=model, messages=parse_messages(body.get("messages")), tools=parse_tools(body.get("tools")),
+        temperature=float(_number(body, "temperature", 0.0, 0.0, 2.0)), top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
+        max_tokens=max_tokens, seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True),
+        stream=stream, include_usage=bool(opts.get("include_usage")), session_id=sid, ttt=ttt)
+
+
+# ---- replies ------------------------------------------------------------------------------------
+def reply_message(message: dict) -> dict:
+    """The assistant message as OpenAI returns it (content null when there is only a tool call)."""
+    out = {"role": "assistant", "content": message.get("content") or None}
+    if message.get("reasoning_content") is not None:
+        out["reasoning_content"] = message["reasoning_content"]
+    if message.get("tool_calls"):
+        out["tool_calls"] = [dict(c) for c in message["tool_calls"]]
+    if message.get("invalid_tool_calls"):
+        out["invalid_tool_calls"] = message["invalid_tool_calls"]
+    return out
+
+
+def finish_reason(message: dict, truncated: bool) -> str:
+    if truncated:
+        return "length"
+    return "tool_calls" if message.get("tool_calls") else "stop"
+
+
+def completion(reply_id: str, model: str, message: dict, finish: str, usage: dict, ttt: dict,
+               created: int | None = None) -> dict:
+    return {"id": reply_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": reply_message(message), "finish_reason": finish, "logprobs": None}],
+            "usage": usage, "ttt": ttt}
+
+
+def stream_chunks(reply: dict, *, include_usage: bool) -> list[str]:
+    """The finished reply as OpenAI's SSE stream: a role chunk, the reasoning and content, one chunk per
+    tool call (index, id, name, arguments), a finish chunk carrying `ttt`, optionally a usage chunk,
+    then `data: [DONE]`."""
+    base = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"], "model": reply["model"],
+            "system_fingerprint": None}
+    choice = reply["choices"][0]
+    msg = choice["message"]
+
+    def chunk(delta: dict, finish=None, **extra) -> str:
+        body = dict(base, choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    out = [chunk({"role": "assistant", "content": ""})]
+    if msg.get("reasoning_content"):
+        out.append(chunk({"reasoning_content": msg["reasoning_content"]}))
+    if msg.get("content"):
+        out.append(chunk({"content": msg["content"]}))
+    for k, call in enumerate(msg.get("tool_calls") or []):
+        out.append(chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                          "function": {"name": call["function"]["name"],
+                                                       "arguments": call["function"]["arguments"]}}]}))
+    out.append(chunk({}, choice["finish_reason"], ttt=reply["ttt"]))
+    if include_usage:
+        out.append(f"data: {json.dumps(dict(base, choices=[], usage=reply['usage']))}\n\n")
+    out.append("data: [DONE]\n\n")
+    return out

@@ -14,6 +14,7 @@ Numbers taken, per mode (ttt, frozen):
   worlds_passed          summary.worlds_passed of the memory test (both readbacks exact), out of 32;
   recovery_nll           summary.recovery_action_nll: token-weighted NLL of the action right after a
                          failing command (error_recovery family, meta.recovery_rounds).
+Every number carries its 95% interval (`<name>_lo` / `<name>_hi`; the markdown shows [lo, hi]).
 Targets (checked on the current_round numbers; never relaxed): memory exact ttt >= 0.5 and >= 3x frozen
 (when frozen is 0: ttt > 0); worlds ttt >= 16/32 and frozen <= 2/32 (a memory test of another size than
 32 worlds does not meet them); recovery NLL ttt <= 0.8 x frozen.
@@ -27,6 +28,8 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+
+from ds_ttt.evaluation.intervals import wilson_interval
 
 MODES = ("ttt", "frozen")
 # the exact matches are fractions k/n: 3 * (1/5) is 0.6000000000000001 in floats, so ratio targets are
@@ -78,7 +81,8 @@ def load_results(run_dir: str | pathlib.Path, slot: str) -> dict:
         if slot.startswith("eval"):
             out[m] = {k: _get(data, path, ("summary", m, k)) for k in
                       ("memory_action_exact", "memory_action_exact_count", "recovery_action_nll",
-                       "recovery_action_tokens", "recovery_rounds")}
+                       "recovery_action_nll_lo", "recovery_action_nll_hi", "recovery_action_tokens",
+                       "recovery_rounds")}
         else:
             out[m] = {k: _get(data, path, ("summary", m, k)) for k in ("worlds_passed", "num_worlds")}
     if not slot.startswith("eval"):
@@ -116,15 +120,23 @@ def check_same_checkpoint(runs: dict[str, dict]) -> None:
 
 
 def numbers(ev: dict, mem: dict) -> dict:
-    """The six issue-7 numbers of one context policy."""
-    return {
-        "memory_exact_match_ttt": ev["ttt"]["memory_action_exact"],
-        "memory_exact_match_frozen": ev["frozen"]["memory_action_exact"],
-        "worlds_passed_ttt": int(mem["ttt"]["worlds_passed"]),
-        "worlds_passed_frozen": int(mem["frozen"]["worlds_passed"]),
-        "recovery_nll_ttt": ev["ttt"]["recovery_action_nll"],
-        "recovery_nll_frozen": ev["frozen"]["recovery_action_nll"],
-    }
+    """The six issue-7 numbers of one context policy, each with its 95% interval (`_lo`, `_hi`):
+    Wilson for the exact-match rate and the worlds passed (as a fraction of the worlds), bootstrap over
+    rounds for the recovery NLL (ds_ttt/evaluation/intervals.py)."""
+    out = {}
+    for m in MODES:
+        k, n = ev[m]["memory_action_exact_count"]
+        out[f"memory_exact_match_{m}"] = ev[m]["memory_action_exact"]
+        out[f"memory_exact_match_{m}_lo"], out[f"memory_exact_match_{m}_hi"] = wilson_interval(int(k), int(n))
+        worlds, num_worlds = int(mem[m]["worlds_passed"]), int(mem[m]["num_worlds"])
+        out[f"worlds_passed_{m}"] = worlds
+        lo, hi = wilson_interval(worlds, num_worlds)
+        out[f"worlds_passed_{m}_lo"] = None if lo is None else lo * num_worlds
+        out[f"worlds_passed_{m}_hi"] = None if hi is None else hi * num_worlds
+        out[f"recovery_nll_{m}"] = ev[m]["recovery_action_nll"]
+        out[f"recovery_nll_{m}_lo"] = ev[m]["recovery_action_nll_lo"]
+        out[f"recovery_nll_{m}_hi"] = ev[m]["recovery_action_nll_hi"]
+    return out
 
 
 def counts(ev: dict, mem: dict) -> dict:
@@ -239,6 +251,9 @@ def markdown(report: dict) -> str:
                     cell += f" ({k[0]}/{k[1]})"
                 elif isinstance(k, dict):
                     cell += f" ({k['rounds']} rounds, {k['tokens']} tokens)"
+                lo, hi = src.get(f"{key}_{m}_lo"), src.get(f"{key}_{m}_hi")
+                if lo is not None and hi is not None:
+                    cell += f" [{_fmt(float(lo))}, {_fmt(float(hi))}]"
                 cells.append(cell)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if report.get("plot"):

@@ -31,6 +31,7 @@ def eval_results(policy, mem, rec, ckpt=CKPT):
     def mode(exact, nll):
         return {"action_nll": 1.0, "memory_action_exact": exact[0] / exact[1],
                 "memory_action_exact_count": list(exact), "memory_action_nll": 0.5, "recovery_action_nll": nll,
+                "recovery_action_nll_lo": nll - 0.1, "recovery_action_nll_hi": nll + 0.1,
                 "recovery_action_tokens": 40, "recovery_rounds": 4}
 
     return {"format": "ds_ttt-eval-v1", "context_policy": policy, "context_policy_trained": "current_round",
@@ -74,9 +75,16 @@ def test_report_keys_values_and_outputs(dirs, tmp_path):
     assert r["memory_exact_match_ttt"] == pytest.approx(0.6) and r["memory_exact_match_frozen"] == pytest.approx(0.1)
     assert (r["worlds_passed_ttt"], r["worlds_passed_frozen"]) == (20, 1)
     assert (r["recovery_nll_ttt"], r["recovery_nll_frozen"]) == (0.6, 1.0)
-    assert r["full_context"] == {"memory_exact_match_ttt": 0.9, "memory_exact_match_frozen": 0.8,
-                                 "worlds_passed_ttt": 30, "worlds_passed_frozen": 29,
-                                 "recovery_nll_ttt": 0.5, "recovery_nll_frozen": 0.55}
+    points = {k: v for k, v in r["full_context"].items() if not k.endswith(("_lo", "_hi"))}
+    assert points == {"memory_exact_match_ttt": 0.9, "memory_exact_match_frozen": 0.8,
+                      "worlds_passed_ttt": 30, "worlds_passed_frozen": 29,
+                      "recovery_nll_ttt": 0.5, "recovery_nll_frozen": 0.55}
+    # every number carries its 95% interval: Wilson for rates (worlds as counts of 32), bootstrap NLLs passed on
+    from ds_ttt.evaluation.intervals import wilson_interval
+    assert (r["memory_exact_match_ttt_lo"], r["memory_exact_match_ttt_hi"]) == wilson_interval(6, 10)
+    assert r["worlds_passed_ttt_lo"] == pytest.approx(wilson_interval(20, 32)[0] * 32)
+    assert r["worlds_passed_ttt_lo"] < 20 < r["worlds_passed_ttt_hi"] <= 32
+    assert (r["recovery_nll_ttt_lo"], r["recovery_nll_ttt_hi"]) == pytest.approx((0.5, 0.7))
     assert r["minutes"] == 27.5 and r["command"] == "bash run_main.sh"
     assert r["counts"]["current_round"]["memory_exact_match_ttt"] == [6, 10]
     assert r["counts"]["current_round"]["worlds_passed_frozen"] == [1, 32]
@@ -90,7 +98,9 @@ def test_report_keys_values_and_outputs(dirs, tmp_path):
     assert r["run_config"]["config"] == {"preset": "tiny", "seed": 3} and len(r["run_config"]["sha256"]) == 64
     md = out.with_suffix(".md").read_text()
     assert "| memory_exact_match_ttt_abs | >= 0.5 | 0.600 | met |" in md
-    assert "| memory test worlds passed | 20 (20/32) | 1 (1/32) | 30 (30/32) | 29 (29/32) |" in md
+    cells = [f"{w} ({w}/32) [{wilson_interval(w, 32)[0] * 32:.3f}, {wilson_interval(w, 32)[1] * 32:.3f}]"
+             for w in (20, 1, 30, 29)]
+    assert "| memory test worlds passed | " + " | ".join(cells) + " |" in md
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timedelta, timezone
 
+from .render import contains_control_tokens
 from .schema import TrajectoryError, normalize_arguments
 
 ATIF_VERSION = "ATIF-v1.4"
@@ -68,6 +69,13 @@ def atif_to_canonical(doc: dict, *, traj_id: str | None = None, group: str | Non
         results = obs.get("results") or [] if isinstance(obs, dict) else None
         if results is None or not isinstance(results, list):
             raise ATIFError("observation.results must be a list", sid)
+        texts = [("message", msg_text), ("reasoning_content", step.get("reasoning_content") or "")]
+        texts += [(f"observation result {k}", r.get("content") or "") for k, r in enumerate(results) if isinstance(r, dict)]
+        for where, text in texts:
+            bad = contains_control_tokens(text) if isinstance(text, str) else None
+            if bad:
+                raise ATIFError(f"{where} contains the chat-control token {bad} (it would encode as that token and "
+                                f"break the turn structure)", sid)
         if src == "system":
             extra = "".join("\n\n" + str(r.get("content", "")) for r in results if isinstance(r, dict))
             messages.append({"role": "system", "content": msg_text + extra})

@@ -15,8 +15,8 @@ Copies: the same trajectory may arrive twice — `data_prep/generate.py` writes 
 equals the first in everything but the provenance keys the ATIF importer adds to meta (session_id,
 agent, model); one copy is kept, the canonical JSONL one when there is one (it is the generator's own
 record, byte for byte, while the ATIF copy is a conversion), otherwise the first in walk order, and
-every dropped copy is listed in `duplicate_copies`. The same id with different content is a reject
-naming both places.
+every dropped copy is listed in `duplicate_copies`. The same id with different content rejects every
+version (neither is known to be the right one), each reject naming the other place.
 
 Terminus-2 trial: `agent/episode-N/debug.json` holds the input messages of episode N and
 `response.txt` the raw reply (JSON `{"analysis", "plan", "commands": [{"keystrokes", "duration"}],
@@ -49,14 +49,17 @@ class Reject:
     reason: str
     line: int | None = None
     step: str | int | None = None
+    step_kind: str | None = None  # "message" (index into messages), "step" (ATIF step_id), "episode" (Terminus-2)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
-        """`FILE:LINE: step S: reason` (the parts that are known)."""
+        """`FILE:LINE: message|step|episode S: reason` (the parts that are known)."""
         where = self.file + (f":{self.line}" if self.line is not None else "")
-        return where + (f": step {self.step}" if self.step is not None else "") + f": {self.reason}"
+        if self.step is not None:
+            where += f": {self.step}" if self.step_kind == "episode" else f": {self.step_kind or 'step'} {self.step}"
+        return f"{where}: {self.reason}"
 
 
 def _content(traj: dict) -> dict:
@@ -77,15 +80,19 @@ class ImportResult:
     counts_by_format: dict[str, int] = field(default_factory=dict)
     duplicate_copies: list[dict] = field(default_factory=list)  # {"id", "kept", "dropped"} per dropped copy
     _kept: dict[str, tuple[int, str]] = field(default_factory=dict)  # id -> (index in trajectories, format)
+    _conflicts: dict[str, str] = field(default_factory=dict)  # id -> where its differing versions are
 
     def add(self, traj: dict, origin: str, fmt: str) -> None:
         file, line = _split_origin(origin)
         try:
             traj = normalize_trajectory(traj)
         except TrajectoryError as e:
-            self.rejects.append(Reject(file, e.reason, line, e.step))
+            self.rejects.append(Reject(file, e.reason, line, e.step, "message" if e.step is not None else None))
             return
         tid = traj["id"]
+        if tid in self._conflicts:
+            self.rejects.append(Reject(file, f"duplicate id {tid!r} with different content (also in {self._conflicts[tid]})", line))
+            return
         if tid not in self._kept:
             self._kept[tid] = (len(self.trajectories), fmt)
             self.origins[tid] = origin
@@ -94,7 +101,17 @@ class ImportResult:
             return
         k, kept_fmt = self._kept[tid]
         if _content(self.trajectories[k]) != _content(traj):
-            self.rejects.append(Reject(file, f"duplicate id {tid!r} with different content (first seen in {self.origins[tid]})", line))
+            # Two versions of one trajectory: neither is known to be right, so both are rejected, by name.
+            first = self.origins.pop(tid)
+            self.rejects.append(Reject(file, f"duplicate id {tid!r} with different content (also in {first})", line))
+            first_file, first_line = _split_origin(first)
+            self.rejects.append(Reject(first_file, f"duplicate id {tid!r} with different content (also in {origin})", first_line))
+            self._conflicts[tid] = f"{first} and {origin}"
+            del self.trajectories[k]
+            self.counts_by_format[kept_fmt] -= 1
+            if not self.counts_by_format[kept_fmt]:
+                del self.counts_by_format[kept_fmt]
+            self._kept = {t["id"]: (i, self._kept[t["id"]][1]) for i, t in enumerate(self.trajectories)}
             return
         if FORMAT_PREFERENCE.index(fmt) < FORMAT_PREFERENCE.index(kept_fmt):  # keep the canonical copy
             self.duplicate_copies.append({"id": tid, "kept": origin, "dropped": self.origins[tid]})
@@ -162,7 +179,7 @@ def import_atif(path: Path, doc: dict, result: ImportResult) -> None:
             traj_id = session
         traj = atif_to_canonical(doc, traj_id=traj_id, group=group or session)
     except ATIFError as e:
-        result.rejects.append(Reject(str(path), e.reason, None, e.step))
+        result.rejects.append(Reject(str(path), e.reason, None, e.step, "step" if e.step is not None else None))
         return
     result.add(traj, str(path), "atif")
 
@@ -233,22 +250,22 @@ def import_trial(trial: Path, result: ImportResult) -> None:
         debug, resp = ep / "debug.json", ep / "response.txt"
         if not debug.is_file() or not resp.is_file():
             missing = "debug.json" if not debug.is_file() else "response.txt"
-            result.rejects.append(Reject(str(trial), f"{step} has no {missing}", None, step))
+            result.rejects.append(Reject(str(trial), f"{step} has no {missing}", None, step, "episode"))
             return
         try:
             doc = json.loads(debug.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            result.rejects.append(Reject(str(debug), f"invalid JSON ({e.msg})", None, step))
+            result.rejects.append(Reject(str(debug), f"invalid JSON ({e.msg})", None, step, "episode"))
             return
         inputs = doc.get("messages", doc.get("input")) if isinstance(doc, dict) else None
         if not isinstance(inputs, list) or not inputs or not all(isinstance(m, dict) and "role" in m for m in inputs):
-            result.rejects.append(Reject(str(debug), "debug.json has no input message list ('messages')", None, step))
+            result.rejects.append(Reject(str(debug), "debug.json has no input message list ('messages')", None, step, "episode"))
             return
         reply = resp.read_text(encoding="utf-8")
         try:
             parse_terminus_reply(reply)
         except ValueError as e:
-            result.rejects.append(Reject(str(resp), f"not a Terminus-2 reply: {e}", None, step))
+            result.rejects.append(Reject(str(resp), f"not a Terminus-2 reply: {e}", None, step, "episode"))
             return
         inputs = [{"role": m["role"], "content": m.get("content") or ""} for m in inputs]
         if conv is not None and inputs[: len(conv)] == conv:

@@ -29,6 +29,7 @@ token that straddles wrapper text and observation text (e.g. a final `\n\n`) cou
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -80,7 +81,7 @@ GENERATION_PROMPT = "<|im_start|>assistant\n"
 ACTION_END = "\n"  # after the generated <|im_end|>; context
 # Terminus-style observations: the terminal text starts after one of these lines.
 _TERMINAL_MARKER = re.compile(r"(?:New Terminal Output|Current [Tt]erminal [Ss](?:tate|creen)):[ \t]*\n")
-_SPECIAL_IN_TEXT = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+THINK_TAGS = ("<think>", "</think>")  # structural only inside an assistant turn (schema.py moves them out)
 
 Span = tuple[str, int]  # (text, kind)
 
@@ -309,9 +310,20 @@ def parse_assistant_message(text: str) -> dict:
     return msg
 
 
+@functools.lru_cache(maxsize=1)
+def control_tokens() -> tuple[str, ...]:
+    """Every Qwen3 added token but the think tags: in message text each would encode as its single
+    token id (`<tool_call>` as a tool call, `<|im_end|>` as the end of a turn) and break the structure."""
+    from .tokenizer import QWEN3_ADDED_TOKENS  # here, not at import: tokenizer.py imports transformers
+
+    return tuple(content for _, content, _ in QWEN3_ADDED_TOKENS if content not in THINK_TAGS)
+
+
 def contains_control_tokens(text: str) -> str | None:
     """The first chat-control token found inside message text (it would break the turn structure)."""
-    for t in _SPECIAL_IN_TEXT:
+    if "<" not in text:
+        return None
+    for t in control_tokens():
         if t in text:
             return t
     return None

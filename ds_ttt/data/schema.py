@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from .render import contains_control_tokens
+from .render import THINK_TAGS, contains_control_tokens
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -122,9 +122,11 @@ def normalize_trajectory(traj) -> dict:
                     raise TrajectoryError(f"tool_call_id {cid!r} names no tool call of the preceding assistant turn", i)
                 msg["tool_call_id"] = str(cid)
         for key in ("content", "reasoning_content"):
-            bad = contains_control_tokens(msg.get(key) or "")
+            text = msg.get(key) or ""
+            bad = contains_control_tokens(text) or next((t for t in THINK_TAGS if t in text), None)
             if bad:
-                raise TrajectoryError(f"{key} contains the control token {bad}", i)
+                raise TrajectoryError(f"{key} contains the chat-control token {bad} (it would encode as that token "
+                                      f"and break the turn structure)", i)
         out.append(msg)
     if num_actions == 0:
         raise TrajectoryError("no assistant turn")

@@ -59,9 +59,9 @@ def test_openai_jsonl_good():
 
 def test_openai_jsonl_malformed_each_kind():
     res = import_inputs([ASSETS / "openai" / "bad.jsonl"])
-    assert [t["id"] for t in res.trajectories] == ["ok-1"]
+    assert res.trajectories == []  # "ok-1" comes in two versions (lines 1 and 10): both are refused
     reasons = {r.line: r.reason for r in res.rejects}
-    assert set(reasons) == set(range(2, 11))
+    assert set(reasons) == set(range(1, 11))
     assert reasons[2].startswith("invalid JSON")
     assert reasons[3] == "messages must be a non-empty list"
     assert "without a preceding assistant tool call" in reasons[4]
@@ -70,7 +70,8 @@ def test_openai_jsonl_malformed_each_kind():
     assert "not valid JSON" in reasons[7]
     assert "names no tool call" in reasons[8]
     assert reasons[9] == "no assistant turn"
-    assert "duplicate id 'ok-1'" in reasons[10] and "bad.jsonl:1" in reasons[10]
+    assert "duplicate id 'ok-1' with different content" in reasons[10] and "bad.jsonl:1)" in reasons[10]
+    assert "duplicate id 'ok-1' with different content" in reasons[1] and "bad.jsonl:10)" in reasons[1]
     assert all(r.file.endswith("bad.jsonl") for r in res.rejects)
 
 
@@ -120,8 +121,8 @@ def test_terminus_summarization_starts_new_part(tmp_path):
 
 def test_directory_walk_counts_everything():
     res = import_inputs([ASSETS])
-    assert len(res.trajectories) == 6
-    assert len(res.rejects) == 18
+    assert len(res.trajectories) == 5  # openai/bad.jsonl's two versions of "ok-1" are both refused
+    assert len(res.rejects) == 19
     assert res.skipped == [str(ASSETS / "make_fixtures.py")]
 
 

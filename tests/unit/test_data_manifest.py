@@ -127,13 +127,15 @@ def test_rejects_fail_the_run_unless_allowed(tmp_path, capsys):
     rc = prepare_main(["--inputs", str(ASSETS / "openai"), "--out", str(out)])
     assert rc == 1 and not (out / "manifest.json").exists()
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
-    assert len(rejects) == 9 and all(r["file"].endswith("bad.jsonl") and r["line"] for r in rejects)
+    # 8 malformed lines, and both versions of the id "ok-1" (lines 1 and 10 differ)
+    assert len(rejects) == 10 and all(r["file"].endswith("bad.jsonl") and r["line"] for r in rejects)
+    assert sorted(r["line"] for r in rejects if "duplicate id 'ok-1'" in r["reason"]) == [1, 10]
     assert "--allow-rejects" in capsys.readouterr().err
     rc = prepare_main(["--inputs", str(ASSETS / "openai"), "--out", str(out), "--allow-rejects", "--test-fraction", "0.5"])
     assert rc == 0
     man = load_manifest(out)
-    assert man.data["num_rejects"] == 9
-    assert len(man.ids("train") | man.ids("test")) == 3
+    assert man.data["num_rejects"] == 10
+    assert man.ids("train") | man.ids("test") == {"oa-1", "good:2"}
     assert "| train" in capsys.readouterr().out  # the summary table
 
 
@@ -245,3 +247,51 @@ def test_train_only_ids_may_not_collide_with_the_inputs(raw, tmp_path):
             f.write(json.dumps(t) + "\n")
     with pytest.raises(ValueError, match=r"reuse 2 trajectory id\(s\) or group\(s\).*another seed"):
         prepare([raw], tmp_path / "out", capacity=700, test_fraction=0.25, seed=3, train_only=[clash])
+
+
+# ---------------------------------------------------------------- the generator's folder is valid input
+@pytest.fixture(scope="module")
+def gen_dir(tmp_path_factory):
+    from ds_ttt.data.generator import write_outputs
+
+    d = tmp_path_factory.mktemp("gen")
+    write_outputs(generate(6, 11, workers=1), d)
+    return d
+
+
+def test_prepare_takes_one_canonical_copy_from_the_generator_folder(gen_dir, tmp_path):
+    res = prepare([gen_dir], tmp_path / "out", capacity=4096, test_fraction=0.3, seed=1)
+    assert res.exit_code == 0 and res.num_rejects == 0, res.message
+    m = res.manifest
+    ids = {json.loads(line)["id"] for line in (gen_dir / "trajectories.jsonl").read_text().splitlines()}
+    man = load_manifest(tmp_path / "out")
+    assert man.ids("train") | man.ids("test") == ids and m["imported_by_format"] == {"openai_jsonl": 6}
+    copies = {c["id"]: c for c in m["duplicate_copies"]}
+    assert set(copies) == ids  # every ATIF copy is listed, none dropped silently
+    for tid, c in copies.items():
+        assert c["kept"].startswith(str(gen_dir / "trajectories.jsonl") + ":")  # the canonical JSONL copy is kept
+        assert c["dropped"] == str(gen_dir / "atif" / f"{tid}.json")
+    kept = {t["id"]: t for s in man.splits for t in man.trajectories(s)}
+    assert all("session_id" not in t["meta"] and t["meta"]["isolation"] in ("unshare", "none") for t in kept.values())
+    # either copy alone gives the same trajectories
+    alone = prepare([gen_dir / "atif"], tmp_path / "atif_only", capacity=4096, test_fraction=0.3, seed=1)
+    assert alone.exit_code == 0 and alone.manifest["splits"]["train"]["retained_rounds"] == m["splits"]["train"]["retained_rounds"]
+
+
+def test_a_real_duplicate_in_the_generator_folder_is_refused_by_name(gen_dir, tmp_path):
+    d = tmp_path / "gen"
+    shutil.copytree(gen_dir, d)
+    victim = sorted((d / "atif").glob("*.json"))[2]
+    doc = json.loads(victim.read_text())
+    step = next(s for s in doc["steps"] if s.get("observation"))
+    step["observation"]["results"][0]["content"] += " (edited)"
+    victim.write_text(json.dumps(doc))
+    res = prepare([d], tmp_path / "out")
+    assert res.exit_code == 1
+    tid = doc["session_id"]
+    # both versions are refused, each naming the other: neither is known to be the right one
+    assert f"{victim}: duplicate id {tid!r} with different content (also in {d / 'trajectories.jsonl'}:" in res.message
+    assert f"{d / 'trajectories.jsonl'}:3: duplicate id {tid!r} with different content (also in {victim})" in res.message
+    res = prepare([d], tmp_path / "out2", allow_rejects=True)
+    assert res.exit_code == 0 and res.num_rejects == 2 and len(res.manifest["duplicate_copies"]) == 5
+    assert tid not in load_manifest(tmp_path / "out2").ids("train") | load_manifest(tmp_path / "out2").ids("test")

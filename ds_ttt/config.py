@@ -32,8 +32,13 @@ class TTTConfig:
         information. The same policy holds in training, evaluation and serving.
     checkpoint_events: wrap each event step of the inner loop in non-reentrant activation checkpointing.
     attention_backend: attention of the adaptive layers (must be twice differentiable).
-    trainable_scope: which backbone parameters the outer optimizer trains besides the prime MLPs.
-    obs_loss_weight: weight of the pre-update observation loss in the outer objective (TTT-E2E style).
+    trainable_scope: which backbone parameters the outer optimizer trains besides the prime MLPs:
+        "prime" (none: prime MLPs + their norms only), "suffix" (the adaptive layers, final norm and LM
+        head), "all". With tied embeddings (Qwen3-0.6B..4B) the LM head IS the embedding matrix, so
+        "suffix" trains the embedding too (its gradient sums both uses, and reaching the embedding
+        needs a backward through every frozen layer); "prime" leaves it frozen.
+    obs_loss_weight: weight of the pre-update observation loss in the outer objective (TTT-E2E style);
+        both terms are token means over the whole global batch (ds_ttt/train/objective.py).
     obs_loss_with_end: the observation loss (inner step and outer term) also covers the token right
         after each observation span, the one that closes the terminal output. Without it the fast
         weights store an output's content but never where it ends, so a recalled output runs on.

@@ -18,7 +18,6 @@ import os
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(pathlib.Path(__file__).resolve().parents[1] / ".torch_extensions"))
 os.environ.setdefault("WANDB_MODE", "offline")
 

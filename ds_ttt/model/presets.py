@@ -4,8 +4,9 @@
     cfg = backbone_config("tiny")          # 8 layers, hidden 64, 4 q / 2 kv heads, full Qwen3 vocab
     cfg = backbone_config("qwen3-8b")      # 36 layers, hidden 4096, 32 / 8 heads, head_dim 128
 
-Tiny presets keep Qwen3's architecture (qk-norm, GQA, RoPE theta 1e6, untied embeddings) so every
-code path of the 8B model runs on a laptop CPU.
+Tiny presets keep Qwen3's architecture (qk-norm, GQA, RoPE theta 1e6, untied embeddings like the 8B) so
+every code path of the 8B model runs on a laptop CPU; `tie_word_embeddings=True` builds the tied head of
+Qwen3-0.6B..4B.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ def qwen3_8b_config() -> Qwen3Config:
 
 def tiny_qwen3_config(*, num_hidden_layers: int = 8, hidden_size: int = 64, intermediate_size: int = 128,
                       num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 16,
-                      vocab_size: int = QWEN3_VOCAB_SIZE, max_position_embeddings: int = 16384) -> Qwen3Config:
+                      vocab_size: int = QWEN3_VOCAB_SIZE, max_position_embeddings: int = 16384,
+                      tie_word_embeddings: bool = False) -> Qwen3Config:
+    """A small Qwen3; `tie_word_embeddings=True` gives the tied head of Qwen3-0.6B..4B."""
     return Qwen3Config(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, head_dim=head_dim,
         max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
-        tie_word_embeddings=False, attention_bias=False, hidden_act="silu", torch_dtype="float32",
+        tie_word_embeddings=tie_word_embeddings, attention_bias=False, hidden_act="silu", torch_dtype="float32",
     )
 
 

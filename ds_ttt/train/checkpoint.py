@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ds_ttt.train.layout import Layout
+
 LATEST = "latest"
 COMPLETE = "COMPLETE"
 RUN_CONFIG = "run_config.json"
@@ -112,16 +114,41 @@ class RunInfo:
                    manifest_sha256=d["manifest"]["sha256"], model_source=d["model_source"], layout=d["layout"], raw=d)
 
 
-def layout_from_info(info: RunInfo):
-    from ds_ttt.train.run_config import Layout
-    lay = info.layout
-    return Layout(lay["num_stages"], lay["num_layers"], lay["num_adaptive"], tuple(lay["prefix_per_stage"]))
+def layout_from_info(info: RunInfo) -> Layout:
+    return Layout.from_dict(info.layout)
+
+
+def resolved_config(*, run, backbone, ds: dict, plan, layout: Layout, manifest_path: str,
+                    manifest_sha256: str, data_stage: int = 0, stage_start_step: int = 0,
+                    history: list | None = None) -> dict[str, Any]:
+    """The JSON saved beside every checkpoint and as RUN_DIR/run_config.json (RunInfo reads it back)."""
+    return {
+        "format": RUN_FORMAT,
+        "run": run.to_dict(),
+        "ttt": run.ttt.to_dict(),
+        "backbone": backbone.to_dict(),
+        "deepspeed": ds,
+        "plan": plan.to_dict() if plan else None,
+        "layout": layout.to_dict(),
+        "manifest": {"path": str(pathlib.Path(manifest_path).resolve()), "sha256": manifest_sha256},
+        "model_source": {"model_dir": str(pathlib.Path(run.model).resolve())} if run.model else {"preset": run.preset},
+        "data_stage": data_stage,
+        "stage_start_step": stage_start_step,
+        "history": history or [],
+        "step": 0,
+    }
+
+
+LEGACY_ANCHOR = "stage_anchor"  # checkpoints written before anchors left the layers hold one per frozen stage
 
 
 def load_model_from_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"):
-    """Reassemble a pipeline checkpoint into one `TTTQwen3ForCausalLM` (eval mode) + its RunInfo."""
+    """Reassemble a pipeline checkpoint into one `TTTQwen3ForCausalLM` (eval mode) + its RunInfo.
+
+    Tied embeddings: the embedding (layer 0) and the last stage's `lm_head.weight` (one Parameter,
+    kept equal by DeepSpeed's tied-gradient all-reduce) must hold the same values; the model gets one
+    shared matrix."""
     from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
-    from ds_ttt.train.pipeline import ANCHOR, layer_name_map
 
     ckpt = resolve_checkpoint(path)
     info = RunInfo.read(ckpt)
@@ -129,19 +156,25 @@ def load_model_from_checkpoint(path: str | os.PathLike, device: str | torch.devi
     with torch.device("meta"):
         model = TTTQwen3ForCausalLM(info.backbone_config(), info.ttt_config())
     state: dict[str, torch.Tensor] = {}
-    for spec_idx in range(layout.first_adaptive + 2):
+    for spec_idx in range(layout.last_spec + 1):  # the tied head reference (if any) saves no file
         files = sorted(glob.glob(str(ckpt / f"layer_{spec_idx:02d}-*model_states.pt")))
         if not files:
             raise FileNotFoundError(f"{ckpt}: no weights for pipeline layer {spec_idx} (layer_{spec_idx:02d}-*)")
-        names = layer_name_map(layout, spec_idx)
         for local, tensor in torch.load(files[0], map_location="cpu", weights_only=True).items():
-            if local != ANCHOR and not local.endswith(".inv_freq"):
-                state[names(local)] = tensor
-    expected = set(model.state_dict())
+            if local != LEGACY_ANCHOR and not local.endswith(".inv_freq"):
+                state[layout.hf_name(spec_idx, local)] = tensor
+    expected = set(model.state_dict())  # a tied model lists both names
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise KeyError(f"{ckpt}: checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model.load_state_dict(state, assign=True)
+    if model.config.tie_word_embeddings:
+        embed, head = state["model.embed_tokens.weight"], state.pop("lm_head.weight")
+        if not torch.equal(embed, head):
+            raise ValueError(f"{ckpt}: tied embeddings, but layer_00's embed_tokens.weight differs from the last "
+                             "stage's lm_head.weight (the tied gradients were not reduced): the checkpoint is corrupt")
+    model.load_state_dict(state, assign=True, strict=not model.config.tie_word_embeddings)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()  # assign=True replaced the Parameter: share it again
     model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # rebuild the RoPE buffer off meta
     model.to(device).eval()
     return model, info

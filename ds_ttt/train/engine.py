@@ -25,13 +25,15 @@ import torch.distributed as dist
 from ds_ttt.data.manifest import load_manifest
 from ds_ttt.model.hf_adapter import checkpoint_shards, copy_checked, is_prime_param, load_qwen3_config
 from ds_ttt.model.presets import backbone_config
+from ds_ttt.model.qwen3 import aliases
 from ds_ttt.train import checkpoint as ckpt
-from ds_ttt.train.data_loader import TrajectoryBatches, samples_from_manifest
+from ds_ttt.train.data_loader import TrajectoryBatches, collate, samples_from_manifest
+from ds_ttt.train.deepspeed_config import batch_sizes, validate_deepspeed
 from ds_ttt.train.logging import MetricsLogger, peak_memory_bytes
+from ds_ttt.train.objective import StepObjective
 from ds_ttt.train.pipeline import STAT_KEYS, TTTPipelineModule
-from ds_ttt.train.run_config import (Plan, RunConfig, batch_sizes, make_plan, resolved_config, resolved_deepspeed,
-                                     validate_deepspeed)
-from ds_ttt.train.schedule import start_schedule
+from ds_ttt.train.run_config import RunConfig
+from ds_ttt.train.schedule import Plan, make_plan, resolved_deepspeed, start_schedule
 
 # Settings that change the model's structure or meaning: a resume or a new data stage must keep them.
 STRUCTURAL_TTT = ("adaptive_layers", "prime_intermediate_size", "trainable_scope")
@@ -52,20 +54,29 @@ def load_backbone(run: RunConfig, manifest=None):
 
 
 @torch.no_grad()
-def load_hf_weights(wanted: dict[str, torch.Tensor], model_dir: str) -> None:
+def load_hf_weights(wanted: dict[str, torch.Tensor], model_dir: str, config) -> None:
     """Copy one stage's tensors ({HF name: parameter}) from a Hugging Face Qwen3 directory, reading only
-    the shards that hold them (prime weights stay fresh)."""
+    the shards that hold them (prime weights stay fresh). With tied embeddings the last stage's
+    `lm_head.weight` is read from `model.embed_tokens.weight` (transformers does not store the copy)."""
     model_dir = pathlib.Path(model_dir)
+    shards = checkpoint_shards(model_dir)
+    stored = {n for names in shards.values() for n in names}
+    source = {}  # checkpoint name -> the wanted names it fills
+    for name in wanted:
+        src = next((a for a in aliases(name, config) if a in stored), name)
+        source.setdefault(src, []).append(name)
     seen = set()
     from safetensors import safe_open
-    for shard, names in checkpoint_shards(model_dir).items():
-        mine = [n for n in names if n in wanted]
+    for shard, names in shards.items():
+        mine = [n for n in names if n in source]
         if not mine:
             continue
         with safe_open(str(model_dir / shard), "pt") as f:
-            for name in mine:
-                copy_checked(wanted[name], f.get_tensor(name), name=name, where=model_dir / shard)
-                seen.add(name)
+            for src in mine:
+                tensor = f.get_tensor(src)
+                for name in source[src]:
+                    copy_checked(wanted[name], tensor, name=src, where=model_dir / shard)
+                    seen.add(name)
     missing = [n for n in wanted if n not in seen and not is_prime_param(n)]
     if missing:
         raise KeyError(f"{model_dir}: checkpoint lacks backbone tensors {missing[:5]}")
@@ -94,6 +105,18 @@ def check_no_overlap(history: list[dict], manifest, manifest_path: str) -> None:
                     "across stages: re-split the new data")
 
 
+def set_step_objective(last, engine, batches: TrajectoryBatches, step: int, ttt) -> StepObjective:
+    """Before optimizer step `step` (0-based stage step), on the last stage: count the action and
+    observation labels of the global batch (this rank's micro-batches on the host, summed over the
+    data-parallel ranks) and hand the normalisers to LastStagePipe (ds_ttt/train/objective.py)."""
+    objective = StepObjective.for_step(
+        [collate(rows, bucket=batches.bucket, capacity=batches.capacity) for rows in batches.rank_micro_batches(step)],
+        ttt, loss_scale=engine.gradient_accumulation_steps() * engine.grid.data_parallel_size,
+        dp_group=engine.grid.get_data_parallel_group())
+    last.set_objective(objective)
+    return objective
+
+
 def gather_stats(module: TTTPipelineModule, peak: int) -> dict:
     last = module.last_stage_layer()
     vals = [float(last.stats[k]) if last is not None else 0.0 for k in STAT_KEYS]
@@ -117,7 +140,8 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
     rank, world = dist.get_rank(), dist.get_world_size()
     manifest = load_manifest(run.data)
     backbone = load_backbone(run, manifest)
-    layout = validate_deepspeed(run, ds, world, backbone.num_hidden_layers)
+    layout = validate_deepspeed(run, ds, world, backbone.num_hidden_layers,
+                                tied_embeddings=bool(backbone.tie_word_embeddings))
     dp = world // layout.num_stages
     train_bs, micro, gas = batch_sizes(ds, dp)
     num_train = len(manifest.ids("train"))
@@ -158,7 +182,7 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
                           "sha256": manifest.sha256, "train": sorted(manifest.ids("train")),
                           "test": sorted(manifest.ids("test"))}]
     ds_resolved = resolved_deepspeed(ds, plan)
-    resolved = resolved_config(run=run, backbone=backbone, ds=ds_resolved, plan=plan, layout=layout,
+    resolved = ckpt.resolved_config(run=run, backbone=backbone, ds=ds_resolved, plan=plan, layout=layout,
                                manifest_path=run.data, manifest_sha256=manifest.sha256, data_stage=data_stage,
                                stage_start_step=stage_start_step, history=[
                                    {k: h[k] for k in ("data_stage", "manifest", "sha256")} for h in history])
@@ -166,7 +190,7 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
     torch.manual_seed(run.seed)
     module = TTTPipelineModule(backbone, run.ttt, layout, seed=run.seed)
     if run.model and info is None:
-        load_hf_weights({hf: p for _, _, hf, p in module.local_hf_named_parameters()}, run.model)
+        load_hf_weights({hf: p for _, _, hf, p in module.local_hf_named_parameters()}, run.model, backbone)
     params = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds_resolved)
     if resume:
@@ -211,6 +235,7 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
         while stage_step < target:
             if last is not None:
                 last.reset_stats()
+                set_step_objective(last, engine, batches, stage_step, run.ttt)
             lr = engine.get_lr()[0]
             t0 = time.perf_counter()
             loss = engine.train_batch(data_iter=data_iter)

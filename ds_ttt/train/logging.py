@@ -1,8 +1,9 @@
 """Per-step training metrics: a rank-0 progress bar, RUN_DIR/metrics.jsonl, and optional wandb.
 
 Every optimizer step logs one JSON line (rank 0 only): step (cumulative), stage_step, data_stage,
-epoch, loss (outer objective, mean over micro-batches and data-parallel ranks), action_loss and
-obs_loss (token-weighted NLL over the global batch, obs with the pre-update fast weights),
+epoch, loss (the step's outer objective: token-weighted over the whole global batch, exactly what the
+gradient is of; ds_ttt/train/objective.py), action_loss and obs_loss (token-weighted NLL over the
+global batch, obs with the pre-update fast weights over the observation-loss labels),
 inner_updates / inner_skipped (fast-weight steps made / skipped for a non-finite gradient), tokens,
 tokens_per_s, step_time_s, peak_mem_gb (max over ranks: peak RSS on CPU, max allocated on CUDA),
 lr (outer, the lr this step ran at) and inner_lr.

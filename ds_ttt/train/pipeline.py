@@ -1,24 +1,36 @@
 """The TTT Qwen3 as a DeepSpeed `PipelineModule`, built from the model's own block classes.
 
-Spec list (one LayerSpec each, built only on the stage that owns it):
+Spec list (one spec each, built only on the stage that owns it; ds_ttt/train/layout.py has the indices):
     0            EmbedPipe        model.embed_tokens                                  (stage 0)
     1 .. P       DecoderPipe      model.layers.i (the P = num_layers - num_adaptive   (stages 0..S-2)
                                   non-adaptive layers, SDPA over the whole sequence under the policy)
     P + 1        LastStagePipe    model.layers.P.. (every adaptive layer) + model.norm + lm_head;
                                   runs the event loop (inner SGD steps with create_graph=True,
-                                  per-event non-reentrant checkpointing) and returns the outer loss (last stage)
+                                  per-event non-reentrant checkpointing) and returns this micro-batch's
+                                  share of the token-weighted outer loss (ds_ttt/train/objective.py)
+    P + 2        (tied embeddings only) the last stage's TiedLayerSpec of the embedding: no compute
 `loss_fn` only reduces that loss. With one stage, everything sits on stage 0.
 
-Stage boundary schema (fixed, never variable-arity): (hidden_BTC float, input_ids_BT int64,
-kinds_BT int64, rounds_BT int64). The hidden states are the only float tensor crossing a boundary
-and always receive a gradient (DeepSpeed asserts otherwise): a stage whose parameters are all frozen
-(trainable_scope 'prime') carries one zero-effect `stage_anchor` parameter so that its output still
-requires grad and its optimizer is not empty. Token kinds and round ids travel as integers (the
-context-policy mask of every decoder layer and the event loop need them).
+Tied embeddings (config.tie_word_embeddings, Qwen3-0.6B..4B): spec 0 and spec P+2 are DeepSpeed
+`TiedLayerSpec`s with one key, so DeepSpeed builds one EmbedPipe per owning stage, broadcasts its
+weight from stage 0 at start and all-reduces its gradient between stage 0 and the last stage after
+every backward (`ReduceTiedGrads`). The last stage's LM head uses that same Parameter
+(`LastStagePipe.tie_lm_head`); DeepSpeed counts it once in the gradient norm (stage 0's copy).
 
-Parameter names: `layer_name_map` maps each spec's local state-dict names to the Hugging Face names of
-`TTTQwen3ForCausalLM`, used to load HF weights per stage, to reassemble a checkpoint into the
-single-device model (checkpoint.py) and by the tests.
+Stage boundary schema (fixed, never variable-arity): (hidden_BTC, input_ids_BT int64, kinds_BT int64,
+rounds_BT int64). Token kinds and round ids travel as integers (the context-policy mask of every
+decoder layer and the event loop need them). The hidden states carry a gradient only where some
+parameter at or before the sending layer is trainable. Where none is (the frozen prefix under
+trainable_scope 'prime' or 'suffix'), the layer sends its hidden states bit-reinterpreted as bytes
+(`grad_free`: a uint8 view, lossless, no copy; uint8 because NCCL has no int16 for bf16) and the
+receiver views them back in its own parameter dtype (the compute dtype). DeepSpeed exchanges gradients only for floating-point boundary tensors, so such a
+boundary carries no gradient and the frozen stages run no backward at all (instead of a backward
+through every frozen layer that only produced zeros). A stage with no trainable parameter still needs
+a non-empty optimizer for `deepspeed.initialize`: `TTTPipelineModule` gives it one `stage_anchor`
+parameter of shape (1,) that no forward uses (its gradient stays None; DeepSpeed reduces it as zeros).
+
+Parameter names: `Layout.hf_name(spec_idx, local)` maps each layer's local names to the Hugging Face
+names of `TTTQwen3ForCausalLM` (per-stage HF loading, the trainable scope, checkpoint reassembly).
 
 Shape letters: B batch, T tokens, C hidden.
 """
@@ -26,132 +38,142 @@ Shape letters: B batch, T tokens, C hidden.
 from __future__ import annotations
 
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from ds_ttt.config import TTTConfig
 from ds_ttt.model.context import ContextPolicy
 from ds_ttt.model.event_loop import SuffixModules, run_event_loop
-from ds_ttt.model.qwen3 import RMSNorm, TTTDecoderLayer, frozen_path_attend, is_suffix_param
-from ds_ttt.train.run_config import Layout
+from ds_ttt.model.qwen3 import (RMSNorm, TTTDecoderLayer, aliases, is_trainable, reset_qwen3_parameters,
+                                run_decoder_layers)
+from ds_ttt.train.layout import Layout
+from ds_ttt.train.objective import StepObjective
 
-ANCHOR = "stage_anchor"
+ANCHOR = "stage_anchor"  # the optimizer's one parameter on a stage with nothing to train (never used)
+TIED_EMBEDDING = "embed_tokens"  # the TiedLayerSpec key of the tied embedding / LM head
 STAT_KEYS = ("action_nll_sum", "num_action_tokens", "obs_nll_sum", "num_obs_tokens", "num_updates",
              "num_skipped", "num_tokens", "num_micro_batches", "loss_sum")
 
-
-def is_trainable(hf_name: str, scope: str, first_adaptive: int) -> bool:
-    """The same rule as TTTQwen3ForCausalLM.set_trainable_scope, on Hugging Face names."""
-    if scope == "all":
-        return True
-    if scope == "suffix":
-        return is_suffix_param(hf_name, first_adaptive)
-    return ".prime_" in hf_name
+def grad_free(hidden_BTC: torch.Tensor) -> torch.Tensor:
+    """The hidden states as bytes [B, T, C * itemsize] (a bit-exact view): DeepSpeed sends no gradient
+    for a non-floating-point boundary tensor."""
+    return hidden_BTC.detach().contiguous().view(torch.uint8)
 
 
-def init_weights(module: nn.Module, std: float, prime_std: float | None = None) -> None:
-    """TTTQwen3ForCausalLM.reset_parameters for one pipeline layer (prime down projections at zero,
-    prime gate/up at `prime_std` when given)."""
-    with torch.no_grad():
-        for name, m in module.named_modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std)
-            elif isinstance(m, Qwen3RMSNorm):
-                m.weight.fill_(1.0)
-        for name, m in module.named_modules():
-            if name.endswith("prime_mlp"):
-                if prime_std is not None:
-                    m.gate_proj.weight.normal_(0.0, prime_std)
-                    m.up_proj.weight.normal_(0.0, prime_std)
-                m.down_proj.weight.zero_()
+def as_hidden(boundary_BTC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The received hidden states as `dtype` (undoes `grad_free`; float input is returned as is)."""
+    if boundary_BTC.is_floating_point():
+        return boundary_BTC
+    if boundary_BTC.dtype != torch.uint8:
+        raise TypeError(f"stage boundary: hidden states arrived as {boundary_BTC.dtype}, expected a float "
+                        "tensor or grad_free's uint8 view")
+    return boundary_BTC.view(dtype)
 
 
 class _PipeLayer(nn.Module):
-    """Shared: scope-based requires_grad, optional stage anchor, HF-style init."""
+    """Shared: HF-style init, scope-based requires_grad (via the layout's HF names), boundary output."""
 
-    def _finish(self, config: Qwen3Config, ttt: TTTConfig, first_adaptive: int, anchor: bool, name_map) -> None:
-        init_weights(self, config.initializer_range, ttt.prime_init_std)
+    def _finish(self, config: Qwen3Config, ttt: TTTConfig, layout: Layout, spec_idx: int, grad_out: bool) -> None:
+        reset_qwen3_parameters(self, config.initializer_range, ttt.prime_init_std)
         for local, p in self.named_parameters():
-            p.requires_grad_(is_trainable(name_map(local), ttt.trainable_scope, first_adaptive))
-        if anchor:  # shape (1,): a 0-dim parameter crashes deepspeed.initialize
-            self.stage_anchor = nn.Parameter(torch.zeros(1))
+            names = aliases(layout.hf_name(spec_idx, local), config)
+            p.requires_grad_(any(is_trainable(n, ttt.trainable_scope, layout.first_adaptive) for n in names))
+        self.grad_out = grad_out  # does the hidden output need a gradient (anything trainable upstream)?
 
-    def anchored(self, hidden_BTC: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, ANCHOR):
-            return hidden_BTC + 0.0 * self.stage_anchor.to(hidden_BTC.dtype)
-        return hidden_BTC
+    def boundary(self, hidden_BTC: torch.Tensor) -> torch.Tensor:
+        return hidden_BTC if self.grad_out else grad_free(hidden_BTC)
 
 
 class EmbedPipe(_PipeLayer):
-    def __init__(self, config: Qwen3Config, ttt: TTTConfig, first_adaptive: int, anchor: bool = False):
+    """model.embed_tokens (with tied embeddings also the LM head's weight: a TiedLayerSpec module)."""
+
+    def __init__(self, config: Qwen3Config, ttt: TTTConfig, layout: Layout, grad_out: bool = True):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self._finish(config, ttt, first_adaptive, anchor, lambda n: "model." + n)
+        self._finish(config, ttt, layout, 0, grad_out)
 
     def forward(self, inputs):
         input_ids_BT, kinds_BT, rounds_BT = inputs
-        return self.anchored(self.embed_tokens(input_ids_BT)), input_ids_BT, kinds_BT, rounds_BT
+        return self.boundary(self.embed_tokens(input_ids_BT)), input_ids_BT, kinds_BT, rounds_BT
 
 
 class DecoderPipe(_PipeLayer):
-    """One non-adaptive decoder layer over the whole sequence (TTTQwen3ForCausalLM.run_layers)."""
+    """One non-adaptive decoder layer over the whole sequence (qwen3.run_decoder_layers)."""
 
-    def __init__(self, config: Qwen3Config, ttt: TTTConfig, first_adaptive: int, layer_idx: int,
-                 anchor: bool = False):
+    def __init__(self, config: Qwen3Config, ttt: TTTConfig, layout: Layout, layer_idx: int, grad_out: bool = True):
         super().__init__()
         self.layer = TTTDecoderLayer(config, layer_idx)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.policy = ContextPolicy.from_ttt(ttt)
-        self._finish(config, ttt, first_adaptive, anchor,
-                     lambda n: n.replace("layer.", f"model.layers.{layer_idx}.", 1))
+        self._finish(config, ttt, layout, layer_idx + 1, grad_out)
 
     def forward(self, inputs):
         hidden_BTC, input_ids_BT, kinds_BT, rounds_BT = inputs
-        b, t, _ = hidden_BTC.shape
-        positions_BT = torch.arange(t, device=hidden_BTC.device).expand(b, t)
-        pos_emb = self.rotary_emb(hidden_BTC, positions_BT)
-        attend = frozen_path_attend(self.policy, hidden_BTC, rounds_BT, self.layer.self_attn.scaling)
-        hidden_BTC, _ = self.layer(self.anchored(hidden_BTC), pos_emb, attend)
-        return hidden_BTC, input_ids_BT, kinds_BT, rounds_BT
+        hidden_BTC = as_hidden(hidden_BTC, self.layer.input_layernorm.weight.dtype)
+        hidden_BTC = run_decoder_layers([self.layer], hidden_BTC, rounds_BT, policy=self.policy,
+                                        rotary_emb=self.rotary_emb)
+        return self.boundary(hidden_BTC), input_ids_BT, kinds_BT, rounds_BT
+
+
+class TiedLMHead(nn.Module):
+    """The LM head of a tied model: the embedding's Parameter, used as a linear map."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, hidden):
+        return F.linear(hidden, self.weight)
 
 
 class LastStagePipe(_PipeLayer):
-    """Adaptive layers + final norm + LM head; forward = the event loop; returns the outer loss [1].
+    """Adaptive layers + final norm + LM head; forward = the event loop; returns loss [1].
 
+    The returned loss is this micro-batch's share of the step's token-weighted objective, scaled for
+    DeepSpeed's averaging (`set_objective` before every optimizer step; ds_ttt/train/objective.py).
     Per-micro-batch statistics (detached) accumulate in `self.stats` for logging; the trainer
     resets them before each optimizer step.
     """
 
-    def __init__(self, config: Qwen3Config, ttt: TTTConfig, first_adaptive: int, anchor: bool = False):
+    def __init__(self, config: Qwen3Config, ttt: TTTConfig, layout: Layout):
         super().__init__()
         prime_width = ttt.prime_intermediate_size or config.intermediate_size
         self.ttt = ttt
-        self.first_adaptive = first_adaptive
         self.layers = nn.ModuleList(TTTDecoderLayer(config, i, prime_width)
-                                    for i in range(first_adaptive, config.num_hidden_layers))
+                                    for i in range(layout.first_adaptive, config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # tied: the embedding's Parameter, set by tie_lm_head once DeepSpeed has built the tied module
+        self.lm_head = None if layout.tied_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self._finish(config, ttt, first_adaptive, anchor, self.hf_name)
+        self._finish(config, ttt, layout, layout.last_spec, grad_out=True)
+        self.objective: StepObjective | None = None
         self.reset_stats()
 
-    def hf_name(self, local: str) -> str:
-        if local.startswith("layers."):
-            _, j, rest = local.split(".", 2)
-            return f"model.layers.{self.first_adaptive + int(j)}.{rest}"
-        return local if local.startswith("lm_head.") else "model." + local
+    def tie_lm_head(self, weight: nn.Parameter) -> None:
+        self.lm_head = TiedLMHead(weight)
+
+    def set_objective(self, objective: StepObjective) -> None:
+        self.objective = objective
 
     def reset_stats(self) -> None:
         self.stats = dict.fromkeys(STAT_KEYS, 0.0)
 
     def forward(self, inputs):
+        if self.objective is None:
+            raise RuntimeError("LastStagePipe.set_objective(StepObjective...) must be called before each "
+                               "optimizer step (the token counts of the global batch normalise the loss)")
+        if self.lm_head is None:
+            raise RuntimeError("tied embeddings: tie_lm_head(embedding weight) was not called")
         hidden_BTC, input_ids_BT, kinds_BT, rounds_BT = inputs
         suffix = SuffixModules(layers=list(self.layers), norm=self.norm, lm_head=self.lm_head,
                                rotary_emb=self.rotary_emb)
-        out = run_event_loop(suffix, self.ttt, self.anchored(hidden_BTC), input_ids_BT, kinds_BT, rounds_BT,
+        out = run_event_loop(suffix, self.ttt, as_hidden(hidden_BTC, self.norm.weight.dtype), input_ids_BT,
+                             kinds_BT, rounds_BT,
                              create_graph=torch.is_grad_enabled())
+        loss = self.objective.micro_batch_loss(out.action_loss_sum, out.obs_loss_sum)
         s = self.stats
         s["action_nll_sum"] += float(out.action_nll_sum)
         s["num_action_tokens"] += out.num_action_tokens
@@ -161,8 +183,13 @@ class LastStagePipe(_PipeLayer):
         s["num_skipped"] += out.num_skipped
         s["num_tokens"] += int((kinds_BT >= 0).sum())
         s["num_micro_batches"] += 1
-        s["loss_sum"] += float(out.loss.detach())
-        return out.loss.reshape(1)
+        s["loss_sum"] += float(loss.detach()) / self.objective.loss_scale  # sums to the step loss
+        return loss.reshape(1)
+
+
+def _tied_head_reference(embed: EmbedPipe, outputs):
+    """forward_fn of the last stage's TiedLayerSpec: no compute (LastStagePipe uses the weight)."""
+    return outputs
 
 
 def reduce_outer_loss(outputs: torch.Tensor, labels) -> torch.Tensor:
@@ -170,50 +197,42 @@ def reduce_outer_loss(outputs: torch.Tensor, labels) -> torch.Tensor:
     return outputs.mean()
 
 
-def layer_name_map(layout: Layout, spec_idx: int):
-    """Local state-dict name -> Hugging Face name for the spec at `spec_idx` (see module docstring)."""
-    p = layout.first_adaptive
-    if spec_idx == 0:
-        return lambda n: "model." + n
-    if 1 <= spec_idx <= p:
-        return lambda n, i=spec_idx - 1: n.replace("layer.", f"model.layers.{i}.", 1)
-    if spec_idx == p + 1:
-        def last(n):
-            if n.startswith("layers."):
-                _, j, rest = n.split(".", 2)
-                return f"model.layers.{p + int(j)}.{rest}"
-            return n if n.startswith("lm_head.") else "model." + n
-        return last
-    raise IndexError(f"spec index {spec_idx} out of range 0..{p + 1}")
+def _spec_args(config: Qwen3Config, ttt: TTTConfig, layout: Layout) -> list[tuple]:
+    """(class, args) of every spec that holds parameters, in spec order."""
+    return ([(EmbedPipe, (config, ttt, layout))]
+            + [(DecoderPipe, (config, ttt, layout, i)) for i in range(layout.first_adaptive)]
+            + [(LastStagePipe, (config, ttt, layout))])
 
 
-def stage_trainable(layout: Layout, config: Qwen3Config, ttt: TTTConfig) -> list[bool]:
-    """Does stage s have any trainable parameter under the scope? (one representative name per spec)"""
-    scope, fa = ttt.trainable_scope, layout.first_adaptive
-    parts = layout.spec_parts()
+def spec_trainable(config: Qwen3Config, ttt: TTTConfig, layout: Layout) -> list[bool]:
+    """Does the spec at each index (0..P+1) hold a trainable parameter? Decided by building each layer
+    on the meta device (no memory) and reading the requires_grad its HF names give it."""
     out = []
-    for s in range(layout.num_stages):
-        names = []
-        for idx in range(parts[s], parts[s + 1]):
-            if idx == 0:
-                names.append("model.embed_tokens.weight")
-            elif idx <= fa:
-                names.append(f"model.layers.{idx - 1}.mlp.up_proj.weight")
-            else:
-                names += ["lm_head.weight"] + ([f"model.layers.{fa}.prime_mlp.up_proj.weight"]
-                                               if layout.num_adaptive else [])
-        out.append(any(is_trainable(n, scope, fa) for n in names))
+    with torch.device("meta"):
+        for cls, args in _spec_args(config, ttt, layout):
+            out.append(any(p.requires_grad for p in cls(*args).parameters()))
     return out
 
 
 def build_specs(config: Qwen3Config, ttt: TTTConfig, layout: Layout) -> list[LayerSpec]:
+    if layout.tied_embeddings != bool(config.tie_word_embeddings):
+        raise ValueError(f"layout.tied_embeddings={layout.tied_embeddings} but the backbone config sets "
+                         f"tie_word_embeddings={config.tie_word_embeddings}; resolve the layout with "
+                         "tied_embeddings=config.tie_word_embeddings")
+    flags = spec_trainable(config, ttt, layout)
+    grad_out = [any(flags[:i + 1]) for i in range(len(flags))]  # anything trainable at or before spec i
     fa = layout.first_adaptive
-    parts = layout.spec_parts()
-    needs_anchor = [not t for t in stage_trainable(layout, config, ttt)]
-    first_of_stage = {parts[s]: needs_anchor[s] for s in range(layout.num_stages)}
-    specs = [LayerSpec(EmbedPipe, config, ttt, fa, anchor=first_of_stage.get(0, False))]
-    specs += [LayerSpec(DecoderPipe, config, ttt, fa, i, anchor=first_of_stage.get(i + 1, False)) for i in range(fa)]
-    specs.append(LayerSpec(LastStagePipe, config, ttt, fa, anchor=first_of_stage.get(fa + 1, False)))
+    if layout.tied_embeddings:
+        specs = [TiedLayerSpec(TIED_EMBEDDING, EmbedPipe, config, ttt, layout, grad_out[0],
+                               tied_weight_attr=["embed_tokens.weight"])]
+    else:
+        specs = [LayerSpec(EmbedPipe, config, ttt, layout, grad_out[0])]
+    specs += [LayerSpec(DecoderPipe, config, ttt, layout, i, grad_out[i + 1]) for i in range(fa)]
+    specs.append(LayerSpec(LastStagePipe, config, ttt, layout))
+    if layout.tied_embeddings:
+        specs.append(TiedLayerSpec(TIED_EMBEDDING, EmbedPipe, config, ttt, layout, grad_out[0],
+                                   forward_fn=_tied_head_reference, tied_weight_attr=["embed_tokens.weight"]))
+    assert len(specs) == layout.num_specs
     return specs
 
 
@@ -230,6 +249,13 @@ class TTTPipelineModule(PipelineModule):
             # Only the frozen-path decoder layers may be recomputed by DeepSpeed: its checkpointing cannot
             # contain the inner loop's torch.autograd.grad (the event loop checkpoints itself per event).
             checkpointable_layers=["DecoderPipe"], dynamic_shape=True)
+        last = self.last_stage_layer()
+        if last is not None and layout.tied_embeddings:
+            last.tie_lm_head(self.tied_modules[TIED_EMBEDDING].embed_tokens.weight)
+        if not any(p.requires_grad for p in self.parameters()):
+            # deepspeed.initialize needs a non-empty optimizer; no forward uses this (shape (1,): a 0-dim
+            # parameter crashes deepspeed.initialize)
+            self.register_parameter(ANCHOR, nn.Parameter(torch.zeros(1)))
 
     def _partition_layers(self, method="explicit"):
         stage_id = self._topo.get_coord(self.global_rank).pipe
@@ -245,10 +271,11 @@ class TTTPipelineModule(PipelineModule):
         return None
 
     def local_hf_named_parameters(self):
-        """(spec index, local name, HF name, parameter) of this stage (anchors excluded)."""
+        """(spec index, local name, HF name, parameter) of this stage's layers (a tied parameter once per
+        layer that holds it; the anchor is not a layer parameter)."""
         for spec_idx in range(self._local_start, self._local_stop):
             layer = self.forward_funcs[spec_idx - self._local_start]
-            names = layer_name_map(self.layout, spec_idx)
+            if not isinstance(layer, nn.Module):  # the tied head reference (a functools.partial)
+                continue
             for local, p in layer.named_parameters():
-                if local != ANCHOR:
-                    yield spec_idx, local, names(local), p
+                yield spec_idx, local, self.layout.hf_name(spec_idx, local), p

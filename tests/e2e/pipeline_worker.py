@@ -3,13 +3,16 @@ engine, recording the loss and every parameter's update.
 
     torchrun --nproc_per_node 4 tests/e2e/pipeline_worker.py OUT_DIR
 
-Runs five layouts in one launch (4 CPU ranks): "pp4" = 4 stages x 1 dp, ZeRO-0, no clipping;
-"pp2dp2" = 2 stages x 2 dp, ZeRO-1, gradient clipping at a norm the gradients exceed;
-"pp4_zero1_clip" = cpu_tiny's layout (4 stages, ZeRO-1, clipping); "bug_pp4_zero0_clip" = the same
-without ZeRO (DeepSpeed 0.19.8 clips with stage 0's norm only: the trainer refuses it); "sft_pp4" = the
-SFT baseline (adaptive_layers=0, no inner loop) through the same pipeline. The optimizer is
-SGD with lr 1 (a client optimizer), so each parameter's update is exactly minus its (clipped,
-data-parallel averaged) gradient. Rank files: OUT_DIR/<layout>/rank<R>.pt = {"loss", "delta": {HF name: tensor}}.
+Runs these layouts in one launch (4 CPU ranks): "pp4" = 4 stages x 1 dp, ZeRO-0, no clipping;
+"pp2dp2" = 2 stages x 2 dp, ZeRO-1, gradient clipping at a norm the gradients exceed, with a weighted
+observation loss; "bug_pp4_zero0_clip" = 4 stages with clipping but without ZeRO (DeepSpeed 0.19.8 clips with stage 0's norm only: the
+trainer refuses it); "sft_pp4" = the SFT baseline (adaptive_layers=0, no inner loop, frozen stages
+0-2); "prime_pp4" / "prime_pp2dp2" = trainable_scope 'prime' (the 8B default: stages without a
+trainable parameter run no backward); "tied_pp4" = tied embeddings (TiedLayerSpec between stage 0 and
+the last stage; 4 stages, ZeRO-1, clipping: cpu_tiny's layout). The optimizer is SGD with lr 1 (a client optimizer), so each parameter's update is
+exactly minus its (clipped, data-parallel averaged) gradient. The trajectories have 1 to 5 rounds with
+1 or 6 action tokens each, so the token-weighted objective differs from a mean of micro-batch means.
+Rank files: OUT_DIR/<layout>/rank<R>.pt = {"loss", "delta": {HF name: tensor}}.
 """
 
 from __future__ import annotations
@@ -18,37 +21,37 @@ import os
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from ds_ttt.config import TTTConfig
+from ds_ttt.model.presets import tiny_qwen3_config
+from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+from ds_ttt.train.data_loader import Sample, TrajectoryBatches
+from ds_ttt.train.layout import resolve_layout
 
-from ds_ttt.config import TTTConfig  # noqa: E402
-from ds_ttt.model.presets import tiny_qwen3_config  # noqa: E402
-from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM  # noqa: E402
-from ds_ttt.train.data_loader import Sample, TrajectoryBatches  # noqa: E402
-from ds_ttt.train.run_config import resolve_layout  # noqa: E402
-
-ROUND = [0, 0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 0]
+ALL = dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)
+PRIME = dict(adaptive_layers=2, trainable_scope="prime", inner_lr=0.5)
 LAYOUTS = {
-    # name: (stages, zero stage, gradient_clipping, micro, gas, TTT settings)
-    "pp4": (4, 0, 0.0, 2, 2, dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)),
-    "pp2dp2": (2, 1, 0.05, 1, 2, dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)),
-    "pp4_zero1_clip": (4, 1, 0.05, 1, 2, dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)),  # cpu_tiny
+    # name: (stages, zero stage, gradient_clipping, micro, gas, TTT settings, tied embeddings)
+    "pp4": (4, 0, 0.0, 2, 2, ALL, False),
+    "pp2dp2": (2, 1, 0.05, 1, 2, dict(ALL, obs_loss_weight=0.5, obs_loss_with_end=True), False),
     # DeepSpeed 0.19.8's bug (why the trainer refuses this combination): clipping without ZeRO in fp32
-    "bug_pp4_zero0_clip": (4, 0, 0.05, 1, 2, dict(adaptive_layers=2, trainable_scope="all", inner_lr=0.5)),
-    "sft_pp4": (4, 1, 0.0, 1, 2, dict(adaptive_layers=0, trainable_scope="suffix")),
+    "bug_pp4_zero0_clip": (4, 0, 0.05, 1, 2, ALL, False),
+    "sft_pp4": (4, 1, 0.0, 1, 2, dict(adaptive_layers=0, trainable_scope="suffix"), False),
+    "prime_pp4": (4, 1, 0.05, 1, 2, PRIME, False),
+    "prime_pp2dp2": (2, 1, 0.0, 1, 2, PRIME, False),
+    "tied_pp4": (4, 1, 0.05, 1, 2, ALL, True),  # also cpu_tiny's engine layout (4 stages, ZeRO-1, clipping)
 }
 
 
-def backbone():
+def backbone(tied: bool = False):
     return tiny_qwen3_config(num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=16, vocab_size=256)
+                             num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=tied)
 
 
 def make_reference(name: str) -> TTTQwen3ForCausalLM:
     torch.manual_seed(0)
-    model = TTTQwen3ForCausalLM(backbone(), TTTConfig(**LAYOUTS[name][5]))
+    model = TTTQwen3ForCausalLM(backbone(LAYOUTS[name][6]), TTTConfig(**LAYOUTS[name][5]))
     with torch.no_grad():  # non-zero prime down projections: the inner updates change the outer loss
         for layer in model.adaptive_layers:
             layer.prime_mlp.down_proj.weight.normal_(0, 0.05)
@@ -56,13 +59,17 @@ def make_reference(name: str) -> TTTQwen3ForCausalLM:
     return model
 
 
+NUM_ROUNDS = [1, 4, 1, 5, 1, 2, 1, 3]
+
+
 def make_samples(n: int = 8) -> list[Sample]:
     out = []
     for i in range(n):
         g = torch.Generator().manual_seed(100 + i)
-        num_rounds, prompt = 1 + i % 3, 3 + i % 4
-        kinds = [0] * prompt + ROUND * num_rounds
-        rounds = [0] * prompt + [r for r in range(1, num_rounds + 1) for _ in ROUND]
+        num_rounds, prompt, num_action = NUM_ROUNDS[i], 3 + i % 4, 1 if i % 2 == 0 else 6
+        one_round = [0, 0] + [1] * num_action + [0] + [2] * 5 + [0]  # header, action, header, observation, end
+        kinds = [0] * prompt + one_round * num_rounds
+        rounds = [0] * prompt + [r for r in range(1, num_rounds + 1) for _ in one_round]
         out.append(Sample(f"s{i}", torch.randint(0, 256, (len(kinds),), generator=g).tolist(), kinds, rounds))
     return out
 
@@ -79,13 +86,14 @@ def run_layout(name: str, out: pathlib.Path) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from ds_ttt.train.pipeline import ANCHOR, TTTPipelineModule
+    from ds_ttt.train.engine import set_step_objective
+    from ds_ttt.train.pipeline import TTTPipelineModule
 
-    stages, zero, clip, micro, gas, _ = LAYOUTS[name]
+    stages, zero, clip, micro, gas, _, tied = LAYOUTS[name]
     ref = make_reference(name)
-    layout = resolve_layout(stages, 8, ref.ttt)
+    layout = resolve_layout(stages, 8, ref.ttt, tied_embeddings=tied)
     module = TTTPipelineModule(ref.config, ref.ttt, layout, seed=0)
-    full = ref.state_dict()
+    full = ref.state_dict()  # a tied model lists the shared matrix under both names
     with torch.no_grad():
         for _, local, hf, p in module.local_hf_named_parameters():
             p.copy_(full[hf])
@@ -100,10 +108,12 @@ def run_layout(name: str, out: pathlib.Path) -> None:
                                            optimizer=torch.optim.SGD(params, lr=1.0), config=ds)
     data = batches(stages, micro, gas, engine.grid.data_parallel_id)
     it = data.iterate(0) if engine.is_first_stage() or engine.is_last_stage() else None
+    last = module.last_stage_layer()
+    if last is not None:  # the trainer's own per-step call (token counts of the global batch)
+        set_step_objective(last, engine, data, 0, ref.ttt)
     loss = engine.train_batch(data_iter=it)
     if engine.grid.data_parallel_id == 0:
         delta = {hf: before[hf] - p.detach() for _, _, hf, p in module.local_hf_named_parameters()}
-        assert ANCHOR not in delta
         (out / name).mkdir(parents=True, exist_ok=True)
         torch.save({"loss": float(loss), "delta": delta}, out / name / f"rank{dist.get_rank()}.pt")
     dist.barrier()

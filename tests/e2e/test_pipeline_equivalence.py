@@ -1,11 +1,16 @@
-"""The pipeline engine on 4 CPU ranks equals the single-process model: loss and gradients for the same
-batch, for 4 stages x 1 dp (no clipping), 4 stages with ZeRO-1 clipping (cpu_tiny's layout) and
-2 stages x 2 dp with ZeRO-1 gradient clipping (the
-clipped update equals torch's clip_grad_norm_ on the reference; DeepSpeed 0.19.8 gets fp32 pipeline
-clipping without ZeRO wrong, which the trainer rejects at startup), and the SFT baseline
-(adaptive_layers=0) on 4 stages.
+"""The pipeline engine on 4 CPU ranks equals one process computing the token-weighted outer loss over
+the whole global batch (sum of action NLL / number of action tokens, + obs_loss_weight x the same for
+observation tokens): loss and gradients, for
+  - 4 stages x 1 dp (no clipping);
+  - 2 stages x 2 dp with ZeRO-1 gradient clipping and a weighted observation loss (the clipped update
+    equals torch's clip_grad_norm_ on the reference; DeepSpeed 0.19.8 gets fp32 pipeline clipping
+    without ZeRO wrong, which the trainer rejects at startup);
+  - the SFT baseline (adaptive_layers=0) on 4 stages;
+  - trainable_scope 'prime' (frozen stages send gradient-free boundaries) on 4 stages and on 2 x 2 dp;
+  - tied embeddings (TiedLayerSpec) on 4 stages with ZeRO-1 clipping (cpu_tiny's engine layout).
+The trajectories differ 30-fold in action tokens, so a mean of micro-batch means fails these tests.
 
-    python -m pytest tests/e2e/test_pipeline_equivalence.py        (one 4-rank launch, ~20-40 s)
+    python -m pytest tests/e2e/test_pipeline_equivalence.py        (one 4-rank launch, ~1.5 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -51,20 +56,38 @@ def results(tmp_path_factory):
     return res
 
 
-def reference(name: str):
-    stages, _, clip, micro, gas, _ = worker.LAYOUTS[name]
+def reference(name: str, token_weighted: bool = True):
+    """(loss, {name: grad}, pre-clip norm) of one process over the whole global batch. The token-
+    weighted loss uses the event loop's own sums and counts; `token_weighted=False` is the old
+    objective (the mean of the micro-batch means), to check the data tells the two apart."""
+    stages, _, clip, micro, gas, ttt, _ = worker.LAYOUTS[name]
     model = worker.make_reference(name)
     data = worker.batches(stages, micro, gas)
     from ds_ttt.train.data_loader import collate
-    mbs = data.step_micro_batches(0)  # every dp rank's micro-batches
-    losses = []
-    for rows in mbs:
-        losses.append(model.trajectory_loss(*collate(rows, bucket=data.bucket, capacity=data.capacity)).loss)
-    loss = torch.stack(losses).mean()  # DeepSpeed: mean over accumulation steps, averaged over dp
+    outs = [model.trajectory_loss(*collate(rows, bucket=data.bucket, capacity=data.capacity))
+            for rows in data.step_micro_batches(0)]  # every dp rank's micro-batches
+    if token_weighted:
+        loss = sum(o.action_loss_sum for o in outs) / sum(o.num_action_tokens for o in outs)
+        w = ttt.get("obs_loss_weight", 0.0)
+        if w > 0:
+            loss = loss + w * sum(o.obs_loss_sum for o in outs) / sum(o.num_obs_tokens for o in outs)
+    else:
+        loss = torch.stack([o.loss for o in outs]).mean()
     loss.backward()
     params = [p for p in model.parameters() if p.requires_grad]
     norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if clip > 0 else None
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, norm
+
+
+def test_token_weighting_matters_for_this_data():
+    """The old objective (mean of micro-batch means) gives a clearly different gradient on this batch,
+    so test_pipeline_equals_single_process fails on it."""
+    for name in ("pp4", "pp2dp2"):
+        _, new, _ = reference(name)
+        _, old, _ = reference(name, token_weighted=False)
+        flat_new = torch.cat([g.flatten() for g in new.values()])
+        flat_old = torch.cat([old[n].flatten() for n in new])
+        assert float((flat_new - flat_old).norm() / flat_new.norm()) > 0.05, name
 
 
 def test_deepspeed_fp32_pipeline_clipping_without_zero_is_wrong(results):
@@ -87,6 +110,10 @@ def test_pipeline_equals_single_process(results, name):
     ref_loss, ref_grads, norm = reference(name)
     if worker.LAYOUTS[name][2] > 0:
         assert norm > 2 * worker.LAYOUTS[name][2], "clipping must be active for this test to mean anything"
+    if worker.LAYOUTS[name][6]:  # tied: both stages' copies of the shared matrix took the same step
+        torch.testing.assert_close(got["delta"].pop("lm_head.weight"), got["delta"]["model.embed_tokens.weight"],
+                                   rtol=0, atol=0)
+        assert "model.embed_tokens.weight" in ref_grads
     assert all(abs(v - got["loss"]) < 1e-7 for v in got["losses"])  # every stage reports the same loss
     assert got["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
     assert set(ref_grads) <= set(got["delta"])

@@ -15,9 +15,10 @@ import torch
 
 from ds_ttt.config import TTTConfig
 from ds_ttt.model.presets import backbone_config
-from ds_ttt.train.run_config import (RunConfig, load_run_config, make_plan, parse_ttt_overrides, resolve_layout,
-                                     resolved_deepspeed, validate_deepspeed)
-from ds_ttt.train.schedule import expected_lr
+from ds_ttt.train.deepspeed_config import validate_deepspeed
+from ds_ttt.train.layout import resolve_layout
+from ds_ttt.train.run_config import RunConfig, load_run_config, parse_ttt_overrides
+from ds_ttt.train.schedule import expected_lr, make_plan, resolved_deepspeed
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))

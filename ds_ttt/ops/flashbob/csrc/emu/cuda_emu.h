@@ -1,11 +1,26 @@
 // A minimal CUDA execution emulator so flashbob_cuda_kernel.cu runs unchanged on the CPU (tests).
 //
-// Each block runs as NT host threads (one per CUDA thread) that share one dynamic-shared-memory
-// buffer; __syncthreads is a std::barrier; __shfl_xor_sync goes through shared scratch between
-// two barriers (valid because our kernels call the shuffles uniformly across the block). Blocks
-// run one after another. bf16/fp16 are c10::BFloat16 / c10::Half (round-to-nearest-even, as
-// __float2bfloat16 / __float2half). A guard region after shared memory catches overruns.
-// This checks the kernels' indexing, masking, synchronisation and math; not speed, not warps.
+// Each block runs as NT host threads (one per CUDA thread, 1-D blocks: threadIdx.x only) that
+// share one dynamic-shared-memory buffer (FB_DYNAMIC_SMEM; static __shared__ is not emulated).
+// Blocks run one after another. bf16/fp16 are c10::BFloat16 / c10::Half (round-to-nearest-even,
+// as __float2bfloat16 / __float2half). A guard region after shared memory catches overruns.
+//
+// Synchronisation (fb_emu::Block):
+//   __syncthreads           a barrier over the block's threads;
+//   warp collectives        (__shfl_xor_sync, __shfl_sync, __syncwarp, and the tensor-core
+//                           primitives of mma_emu.h) a barrier over the warp (lanes threadIdx.x / 32),
+//                           so warps advance independently, as on the GPU. Each lane publishes its
+//                           operands into per-warp scratch (double-buffered by the lane's collective
+//                           count), passes the warp barrier, then computes its own result.
+//   Rules checked loudly:   every lane of a warp must execute the same collective as its n-th
+//                           collective (a lane that diverged, exited or ran a different one is
+//                           reported, with both lanes' instructions); a block whose live threads
+//                           all wait on barriers that can never complete is reported as a deadlock
+//                           (instead of hanging). Such errors, and any exception a thread throws,
+//                           stop the whole block and surface as a std::runtime_error from the
+//                           launch. A thread that returns early leaves the barriers (as exited
+//                           threads do on the GPU), but not the warp collectives.
+// This checks the kernels' indexing, masking, synchronisation and math; not speed, not timing.
 #pragma once
 
 #define FLASHBOB_CUDA_EMU 1
@@ -13,14 +28,17 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <barrier>
+#include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #define __global__
@@ -50,20 +68,175 @@ struct dim3 {
 namespace fb_emu {
 constexpr size_t kSmemLimit = 227 * 1024;  // H100/H200 opt-in maximum per block
 constexpr size_t kGuard = 4096;
+constexpr int kWarp = 32;
+
 inline std::vector<unsigned char>& smem_buf() {
   static std::vector<unsigned char> b;
   return b;
 }
-inline std::barrier<>*& bar() {
-  static std::barrier<>* b = nullptr;
-  return b;
+inline size_t& smem_bytes() {  // the launch's dynamic shared memory (without the guard)
+  static size_t n = 0;
+  return n;
 }
-inline std::vector<float>& shfl_buf() {
-  static std::vector<float> b;
+inline bool in_smem(const void* p, size_t bytes) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  const unsigned char* base = smem_buf().data();
+  return c >= base && c + bytes <= base + smem_bytes();
+}
+
+// Thrown inside a thread once the block has been stopped by an error elsewhere.
+struct BlockStopped {};
+
+// One barrier (the block's, or one warp's); guarded by Block::m.
+struct Barrier {
+  int expected = 0, arrived = 0;
+  uint64_t generation = 0;
+  std::condition_variable cv;
+};
+
+// Per-warp scratch a collective's lanes publish into (two buffers, by collective-count parity).
+struct LaneSlot {
+  const char* op = nullptr;  // the collective's name (a string literal)
+  uint64_t seq = ~0ull;      // the lane's collective count when it published
+  const void* ptr = nullptr;
+  uint32_t u[8] = {};
+  float f[4] = {};
+};
+struct WarpScratch {
+  LaneSlot slot[2][kWarp];
+};
+
+class Block {
+ public:
+  Block(int nthreads) : nthreads_(nthreads), live_(nthreads), warps_((nthreads + kWarp - 1) / kWarp) {
+    block_bar_.expected = nthreads;
+    for (int w = 0; w < (int)warps_.size(); ++w)
+      warps_[w].expected = warp_size(w);
+    scratch_.resize(warps_.size());
+  }
+  int nthreads() const { return nthreads_; }
+  int warp_size(int w) const { return std::min(kWarp, nthreads_ - w * kWarp); }
+  WarpScratch& scratch(int w) { return scratch_[w]; }
+
+  void sync_block() { wait(block_bar_, "__syncthreads"); }
+  void sync_warp(int w, const char* what) { wait(warps_[w], what); }
+
+  // Stop every thread of the block (first message wins) and throw in the caller.
+  [[noreturn]] void fail(const std::string& msg) {
+    std::unique_lock<std::mutex> l(m_);
+    fail_locked(msg);
+    throw BlockStopped{};
+  }
+  // A thread leaves: it no longer counts for the barriers (an exited GPU thread does not block).
+  void thread_exit(int tid) {
+    std::unique_lock<std::mutex> l(m_);
+    --live_;
+    drop(block_bar_);
+    drop(warps_[tid / kWarp]);
+    check_deadlock_locked();
+  }
+  void record_exception(const std::string& msg) {
+    std::unique_lock<std::mutex> l(m_);
+    if (!stopped_) fail_locked(msg);
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  void wait(Barrier& b, const char* what) {
+    std::unique_lock<std::mutex> l(m_);
+    if (stopped_) throw BlockStopped{};
+    if (++b.arrived == b.expected) {
+      release(b);
+      return;
+    }
+    const uint64_t g = b.generation;
+    ++blocked_;
+    if (blocked_ == live_) {
+      fail_locked(std::string("emulated kernel deadlock: every live thread waits at a barrier that "
+                              "cannot complete (last arrival at ") + what +
+                  "; divergent __syncthreads or a warp collective not executed by all lanes?)");
+      throw BlockStopped{};
+    }
+    b.cv.wait(l, [&] { return b.generation != g || stopped_; });
+    if (stopped_) throw BlockStopped{};
+  }
+  void release(Barrier& b) {  // completes b; the arrivals other than the caller were blocked
+    blocked_ -= b.arrived - 1;
+    b.arrived = 0;
+    ++b.generation;
+    b.cv.notify_all();
+  }
+  void drop(Barrier& b) {
+    --b.expected;
+    if (b.arrived > 0 && b.arrived == b.expected) {
+      blocked_ -= b.arrived;
+      b.arrived = 0;
+      ++b.generation;
+      b.cv.notify_all();
+    }
+  }
+  void check_deadlock_locked() {
+    if (live_ > 0 && blocked_ == live_ && !stopped_)
+      fail_locked("emulated kernel deadlock: the remaining threads wait at barriers that the exited "
+                  "threads never reached (early return before __syncthreads or a warp collective?)");
+  }
+  void fail_locked(const std::string& msg) {
+    if (!stopped_) {
+      stopped_ = true;
+      error_ = msg;
+    }
+    block_bar_.cv.notify_all();
+    for (auto& w : warps_) w.cv.notify_all();
+  }
+
+  std::mutex m_;
+  int nthreads_, live_, blocked_ = 0;
+  bool stopped_ = false;
+  std::string error_;
+  Barrier block_bar_;
+  std::vector<Barrier> warps_;
+  std::vector<WarpScratch> scratch_;
+};
+
+inline Block*& block() {
+  static Block* b = nullptr;
   return b;
 }
 inline thread_local dim3 tl_thread, tl_block;
+inline thread_local uint64_t tl_collectives = 0;  // warp collectives this thread has executed
 inline dim3 g_grid;
+
+// Start a warp collective: publish into this lane's slot, pass the warp barrier, check that
+// every lane of the warp executed the same collective, and return the slots to read.
+// The caller fills `mine` through `publish` before the barrier.
+template <typename Publish>
+inline LaneSlot* warp_collective(const char* op, Publish&& publish) {
+  Block& b = *block();
+  const int tid = (int)tl_thread.x, w = tid / kWarp, lane = tid % kWarp;
+  const uint64_t seq = tl_collectives++;
+  LaneSlot* slots = b.scratch(w).slot[seq & 1];
+  LaneSlot& mine = slots[lane];
+  mine.op = op;
+  mine.seq = seq;
+  publish(mine);
+  b.sync_warp(w, op);
+  for (int l = 0; l < b.warp_size(w); ++l) {
+    if (slots[l].seq != seq || (slots[l].op != op && std::strcmp(slots[l].op, op) != 0)) {
+      const bool same_count = slots[l].seq == seq;
+      b.fail("emulated warp collective mismatch in warp " + std::to_string(w) + ": lane " +
+             std::to_string(lane) + " executes " + op + " as its collective #" +
+             std::to_string(seq) + " but lane " + std::to_string(l) +
+             (same_count ? std::string(" executes ") + slots[l].op
+                         : std::string(" did not take part (diverged or exited)")) +
+             "; warp collectives need every lane of the warp (full-warp masks only)");
+    }
+  }
+  return slots;
+}
+inline void check_full_mask(unsigned mask, const char* op) {
+  if (mask != 0xffffffffu)
+    block()->fail(std::string("emulated ") + op + ": only the full-warp mask 0xffffffff is supported");
+}
 }  // namespace fb_emu
 
 #define threadIdx (fb_emu::tl_thread)
@@ -71,15 +244,43 @@ inline dim3 g_grid;
 #define gridDim (fb_emu::g_grid)
 #define FB_DYNAMIC_SMEM(name) unsigned char* name = fb_emu::smem_buf().data()
 
-inline void __syncthreads() { fb_emu::bar()->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
-  auto& buf = fb_emu::shfl_buf();
-  const unsigned t = threadIdx.x;
-  buf[t] = v;
-  __syncthreads();
-  const float r = buf[t ^ (unsigned)lane_mask];
-  __syncthreads();
+inline void __syncthreads() { fb_emu::block()->sync_block(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  fb_emu::check_full_mask(mask, "__syncwarp");
+  fb_emu::warp_collective("__syncwarp", [](fb_emu::LaneSlot&) {});
+}
+
+namespace fb_emu {
+template <typename T>
+inline T shuffle(const char* op, unsigned mask, T v, int src_of_lane_fn(int lane, int arg, int width),
+                 int arg, int width) {
+  static_assert(sizeof(T) == 4, "emulated shuffles move 32-bit values");
+  check_full_mask(mask, op);
+  if (width <= 0 || width > kWarp || (width & (width - 1)))
+    block()->fail(std::string("emulated ") + op + ": width must be a power of two <= 32");
+  LaneSlot* s = warp_collective(op, [&](LaneSlot& m) { std::memcpy(&m.u[0], &v, 4); });
+  const int lane = (int)tl_thread.x % kWarp;
+  const int src = src_of_lane_fn(lane, arg, width);
+  T r;
+  std::memcpy(&r, &s[src].u[0], 4);
   return r;
+}
+inline int xor_src(int lane, int mask, int width) {
+  const int s = lane ^ mask;  // outside the lane's width-segment: the lane's own value (CUDA rule)
+  return (s / width == lane / width) ? s : lane;
+}
+inline int idx_src(int lane, int src, int width) {
+  return (lane / width) * width + (((src % width) + width) % width);
+}
+}  // namespace fb_emu
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  return fb_emu::shuffle("__shfl_xor_sync", mask, v, fb_emu::xor_src, lane_mask, width);
+}
+template <typename T>
+inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+  return fb_emu::shuffle("__shfl_sync", mask, v, fb_emu::idx_src, src_lane, width);
 }
 
 template <typename K>
@@ -94,23 +295,36 @@ inline const char* cudaGetErrorString(cudaError_t e) {
 namespace fb_emu {
 inline void run_grid(dim3 grid, int nthreads, size_t smem, const std::function<void()>& body) {
   if (smem > kSmemLimit) throw std::runtime_error("emulated launch: shared memory over limit");
+  if (nthreads <= 0 || nthreads > 1024)
+    throw std::runtime_error("emulated launch: block size must be 1..1024 threads");
   g_grid = grid;
   smem_buf().assign(smem + kGuard, 0xAB);
-  shfl_buf().assign(nthreads, 0.f);
+  smem_bytes() = smem;
   for (unsigned by = 0; by < grid.y; ++by) {
     for (unsigned bx = 0; bx < grid.x; ++bx) {
-      std::barrier<> b(nthreads);
-      bar() = &b;
+      Block b(nthreads);
+      block() = &b;
       std::vector<std::thread> ts;
       ts.reserve(nthreads);
       for (int t = 0; t < nthreads; ++t)
         ts.emplace_back([&, t] {
           tl_thread = dim3((unsigned)t);
           tl_block = dim3(bx, by);
-          body();
+          tl_collectives = 0;
+          try {
+            body();
+          } catch (const BlockStopped&) {
+          } catch (const std::exception& e) {
+            b.record_exception(std::string("emulated kernel thread ") + std::to_string(t) +
+                               " threw: " + e.what());
+          }
+          b.thread_exit(t);
         });
       for (auto& th : ts) th.join();
-      bar() = nullptr;
+      block() = nullptr;
+      if (!b.error().empty())
+        throw std::runtime_error(b.error() + " (block " + std::to_string(bx) + "," +
+                                 std::to_string(by) + ")");
       for (size_t i = smem; i < smem + kGuard; ++i)
         if (smem_buf()[i] != 0xAB) throw std::runtime_error("emulated kernel overran shared memory");
     }

@@ -16,7 +16,12 @@ that holds only a downed loopback. Mode `unshare` then:
   2. bind-mounts BASE/tmp over /tmp (and /var/tmp), then BASE back at its own path (hidden by that
      mount when BASE lies under /tmp), so `touch /tmp/x` lands in the throwaway directory;
   3. makes every mount read-only, recursively (mount_setattr, Linux >= 5.12), and only BASE and the
-     temporary directories writable again.
+     temporary directories writable again;
+  4. moves into a nested user + mount namespace. Root of the first user namespace could simply
+     remount / read-write or unmount the /tmp binding; copied into a less privileged namespace the
+     mounts are locked (the kernel's MNT_LOCKED / MNT_LOCK_READONLY), so the command cannot. This PID
+     namespace's /proc stays writable except /proc/sys: the kernel lets any process whose uid maps
+     to the namespace's root write its pid_max, so a read-only /proc/sys is what keeps step 1.
 
 Both modes set RLIMIT_FSIZE (one file at most MAX_FILE_BYTES), chdir to WORKDIR and exec the command.
 Any failure before the exec is written to ERROR_FD (which the command never inherits) and exits 125,
@@ -30,6 +35,8 @@ import resource
 import sys
 
 MS_BIND = 0x1000
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
 AT_FDCWD = -100
 AT_RECURSIVE = 0x8000
 MOUNT_ATTR_RDONLY = 0x1
@@ -97,9 +104,18 @@ def confine_filesystem(base: str) -> None:
     bind(f"/proc/self/fd/{base_fd}", base)
     os.close(base_fd)
     os.close(tmp_fd)
+    bind("/proc/sys", "/proc/sys")  # its own mount, so it stays read-only while /proc is made writable
     set_readonly("/", True, recursive=True)
-    for d in [base] + temp_dirs:
+    for d in [base, "/proc"] + temp_dirs:  # /proc: this PID namespace's own, for lock_mounts' uid_map
         set_readonly(d, False, recursive=False)
+
+
+def lock_mounts() -> None:
+    """A nested user + mount namespace (uid/gid 0 mapped to 0): the mounts above become locked."""
+    _check(_libc.unshare(ctypes.c_int(CLONE_NEWUSER | CLONE_NEWNS)), "unshare a nested user and mount namespace")
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 0 1"), ("gid_map", "0 0 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
 
 
 def main(argv: list[str]) -> None:
@@ -110,6 +126,7 @@ def main(argv: list[str]) -> None:
         if mode == "unshare":
             limit_processes(int(max_processes))
             confine_filesystem(base)
+            lock_mounts()
         elif mode != "none":
             raise ValueError(f"unknown sandbox mode {mode!r}")
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(max_file_bytes), int(max_file_bytes)))

@@ -206,6 +206,25 @@ def test_writes_outside_the_working_directory_fail_or_stay_in_the_throwaway_root
 
 
 @needs_isolation
+def test_the_command_cannot_undo_its_confinement():
+    token = uuid.uuid4().hex[:12]
+    try:
+        with Sandbox(timeout=5) as sb:
+            r = sb.run(f"mount -o remount,bind,rw / ; umount /tmp ; umount -l /tmp ; mount -o remount,bind,rw /proc/sys ; "
+                       f"echo 100000 > /proc/sys/kernel/pid_max ; cat /proc/sys/kernel/pid_max ; ip link set lo up ; "
+                       f"touch /escape_{token} /tmp/inside_{token}")
+            assert "mount: /: permission denied" in r.output  # the read-only mounts are locked
+            assert "pid_max: Read-only file system" in r.output and f"\n{MAX_PROCESSES + 1}\n" in r.output
+            assert "Operation not permitted" in r.output  # no reconfiguring the network namespace
+            assert f"/escape_{token}': Read-only file system" in r.output
+            assert (sb.base / "tmp" / f"inside_{token}").is_file()  # /tmp is still the sandbox's own
+    finally:
+        if Path(f"/escape_{token}").exists():
+            Path(f"/escape_{token}").unlink()
+        assert not Path(f"/tmp/inside_{token}").exists()
+
+
+@needs_isolation
 def test_no_network_even_to_localhost():
     import socket
 

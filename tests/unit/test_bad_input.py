@@ -179,6 +179,21 @@ def test_unknown_config_keys_are_named(tmp_path):
         load_run_config(str(run), {}, {})
 
 
+def test_zero3_with_a_pipeline_is_refused():
+    from ds_ttt.model.presets import backbone_config
+    from ds_ttt.train.deepspeed_config import validate_deepspeed
+    from ds_ttt.train.run_config import load_run_config
+
+    configs = Path(__file__).resolve().parents[2] / "ds_configs"
+    run = load_run_config(str(configs / "run_cpu_tiny.json"), {"data": "d", "output": "o"}, {})
+    ds = json.loads((configs / "cpu_tiny.json").read_text())  # the shipped 4-stage pipeline, ZeRO-1
+    layers = backbone_config(run.preset).num_hidden_layers
+    validate_deepspeed(run, ds, 4, layers)
+    ds["zero_optimization"]["stage"] = 3
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage=3: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1"):
+        validate_deepspeed(run, ds, 4, layers)
+
+
 # ---------------------------------------------------------------- exports
 @pytest.mark.xfail(strict=True, reason="ds_ttt/export.py (serving helper): load_export lets safetensors' "
                    "'incomplete metadata, file not fully covered' through without naming the shard")

@@ -5,7 +5,9 @@
   atif.py        ATIF <-> canonical;  importers.py: ATIF, Terminus-2 trial folders, OpenAI JSONL
   render.py      Qwen3 chat rendering -> ids + TokenKind + round per token (trainer, evals, serving)
   capacity.py    valid-prefix capacity rule;  manifest.py: prepare / load_manifest;  hub.py: pinned download
-  sandbox.py, families.py, generator.py   the real-shell trajectory generator (+ generate_memory_world)
+  sandbox.py, families.py, generator.py   the real-shell trajectory generator (+ generate_memory_world);
+                 sandbox_init.py is the first process inside a sandbox (run as a script, not imported)
+  cli.py         the data_prep/ command lines (generate, prepare, build_tokenizer)
 
 Nothing is imported here so that `import ds_ttt.data.render` stays cheap and side-effect free.
 See docs/data.md.

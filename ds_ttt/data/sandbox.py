@@ -15,7 +15,8 @@ network, mount and PID namespaces (`unshare --user --map-root-user --net --mount
 
   - no network: the network namespace has only a downed loopback (not even 127.0.0.1 is reachable);
   - writes land only in BASE: every mount is read-only except BASE, and /tmp and /var/tmp are BASE/tmp,
-    so `echo x > ../escape` lands in BASE and `touch /tmp/x` in BASE/tmp;
+    so `echo x > ../escape` lands in BASE and `touch /tmp/x` in BASE/tmp; the mounts are locked (the
+    command runs in a nested user namespace), so it cannot remount them read-write;
   - at most `max_processes` processes at once (a fork bomb gets EAGAIN);
   - when the command ends, is killed at its timeout, or its output passes the cap, the PID namespace
     ends and the kernel kills everything the command started, detached (setsid, nohup) or not.
@@ -27,11 +28,12 @@ left of that group when the command ends. `isolation="none"` gives no network, f
 isolation: commands run as the calling user with its network and its write access everywhere, and a
 process that leaves the process group (setsid) survives.
 
-What the sandbox does not protect: reads (the command sees the host's files, read-only); the CPU and
-memory the command uses before its timeout; disk space inside BASE (bounded by the file-size cap, the
-timeout and the disk); kernel attack surface (user namespaces are not a security boundary against
-kernel exploits). It is made for the generator's scripted commands and for trying a model, not for
-running untrusted code.
+What the sandbox does not protect: reads (the command sees every host file the caller may read and
+can print it); the CPU and memory it uses before its timeout; disk space inside BASE (bounded by the
+file-size cap, the timeout and the disk); the kernel (user namespaces are no defence against kernel
+exploits; character devices in the host's /dev the caller may open stay usable). It is made for the
+generator's scripted commands and for trying a model, not for running untrusted code. docs/data.md,
+"Sandbox", has the details.
 """
 
 from __future__ import annotations

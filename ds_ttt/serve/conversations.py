@@ -169,9 +169,7 @@ class ConversationStore:
                 conv.lock.release()
         self._check_room()
         work = self._new_session(req)
-        prompt = next(i for i, m in enumerate(req.messages + [{"role": "assistant"}]) if m["role"] == "assistant")
-        work.reset_messages(req.messages[:prompt], tools=req.tools)
-        result = self._advance(work, req.messages[prompt:], req)
+        result = self._advance(work, req.messages, req, fresh=True)
         conv = self._insert(work, req.ttt)
         return self._result(conv, work, result, req)
 
@@ -179,10 +177,15 @@ class ConversationStore:
         return AgentSession(self.agent, max_new_tokens=self.max_new_tokens, max_context=self.max_context,
                             update=req.ttt)
 
-    def _advance(self, work: AgentSession, rest: list[dict], req: ChatRequest) -> dict:
-        """Feed `rest` (after the matched prefix), then generate the next assistant turn."""
+    def _advance(self, work: AgentSession, rest: list[dict], req: ChatRequest, *, fresh: bool = False) -> dict:
+        """Feed `rest` (after the matched prefix; with `fresh`, the whole conversation, its round-0
+        messages starting the episode), then generate the next assistant turn."""
         observed = 0
         try:
+            if fresh:
+                prompt = next(i for i, m in enumerate(rest + [{"role": "assistant"}]) if m["role"] == "assistant")
+                work.reset_messages(rest[:prompt], tools=req.tools)
+                rest = rest[prompt:]
             i = 0
             while i < len(rest):
                 if rest[i]["role"] == "assistant":
@@ -212,7 +215,8 @@ class ConversationStore:
             call["id"] = "call_" + secrets.token_hex(12)
         message = dict(message, tool_calls=stored["tool_calls"]) if stored.get("tool_calls") else message
         return {"message": message, "observed": observed, "prompt_tokens": prompt_tokens,
-                "completion_tokens": len(work.history[-1].action_token_nll),  # generated (not the appended end) "truncated": bool(message.get("truncated"))}
+                "completion_tokens": len(work.history[-1].action_token_nll),  # generated, not the appended end
+                "truncated": bool(message.get("truncated"))}
 
     def _check_room(self) -> None:
         with self._lock:

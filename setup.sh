@@ -18,3 +18,5 @@ fi
 .venv/bin/python -c "import torch, deepspeed, transformers; print(f'[setup] torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}')"
 # launch/main.sh counts this in the main command's wall time when it starts right after setup
 echo $(( $(date +%s) - setup_t0 )) > .venv/.setup_seconds
+# The Harbor venv (.venv-harbor, Python >= 3.12) for the Harbor agent and its test; see docs/harbor.md
+bash setup_harbor.sh

@@ -1,0 +1,236 @@
+"""TTTAgent: a Harbor agent that runs a trained ds_ttt model, served with test-time updates over HTTP.
+
+    python -m ds_ttt.serve.http --model EXPORT --port 8000 &          # the project's venv (torch)
+    .venv-harbor/bin/harbor run -d terminal-bench@2.0 \
+        --agent ds_ttt.serve.harbor_agent:TTTAgent --ak server_url=http://127.0.0.1:8000/v1 ...
+
+Runs in the Harbor venv (Python >= 3.12, `bash setup_harbor.sh`) and imports no torch: the model lives
+in the server (`ds_ttt.serve.http`, OpenAI chat-completions + a `session_id` per conversation, one
+inner update per tool result). See docs/harbor.md.
+
+The loop is the training loop's (the data generator's and `ds_ttt.serve.runner`'s):
+  * messages = the generator's system prompt + the task instruction, tools = its `bash` tool;
+  * every reply's tool calls run as `bash -c COMMAND` (stderr merged into stdout, stdin closed) in the
+    task's environment through `environment.exec`, at the task's workdir; the tool result is the
+    sandbox's `format_observation` of it (exit code / timeout notes, long output cut), exactly what the
+    model saw in training; each command starts fresh (no shell state carries over, as in training);
+  * the conversation goes back to the server with the `session_id` its first reply named, so that TTT
+    session observes each tool result (one inner step on the fast weights) before it generates the
+    next action (a reply from another session — the server found the history diverged — is an error);
+  * it ends at a reply without tool calls, or after `max_rounds` replies.
+The trajectory is written as ATIF (`logs_dir/trajectory.json`, Harbor's own pydantic model, rewritten
+after every round) with the server's `ttt` object ({"session_id", "updates", "skipped", "policy"})
+and usage on each agent step; it imports with `data_prep/prepare.py`.
+
+Options (`--ak key=value`; `server_url` also from $DS_TTT_SERVER_URL): server_url, max_rounds,
+command_timeout_sec, temperature, top_p, max_tokens, seed, ttt (false: frozen weights),
+max_output_chars, request_timeout_sec. The model is `-m NAME`, or the server's only model.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime, timezone
+from typing import Annotated, Any
+
+import openai
+from harbor.agents.base import BaseAgent
+from harbor.agents.capabilities import AgentCapabilities
+from harbor.agents.options import AgentOptions, Env
+from harbor.environments.base import BaseEnvironment
+from harbor.models.agent.context import AgentContext
+from harbor.models.trajectories import Agent, FinalMetrics, Metrics, Observation, ObservationResult, Step, ToolCall
+from harbor.models.trajectories import Trajectory
+from pydantic import Field
+
+import ds_ttt
+from ds_ttt.data.generator import BASH_TOOL, SYSTEM_PROMPT
+from ds_ttt.data.sandbox import CommandResult, format_observation
+
+AGENT_NAME = "ds-ttt"
+SERVER_URL_ENV = "DS_TTT_SERVER_URL"
+TIMEOUT_EXIT_CODE = 124  # the sandbox's code for a timed-out command
+
+
+class TTTAgentOptions(AgentOptions):
+    server_url: Annotated[str, Env(SERVER_URL_ENV, fallback=SERVER_URL_ENV)] = Field(
+        default="http://127.0.0.1:8000/v1", description="OpenAI-compatible base URL of `python -m ds_ttt.serve.http`")
+    max_rounds: int = Field(default=30, ge=1, description="at most this many model replies")
+    command_timeout_sec: float = Field(default=60.0, gt=0, description="timeout of one bash tool call")
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=1024, ge=1, description="generation budget of one reply")
+    seed: int | None = None
+    ttt: bool = Field(default=True, description="false: the server answers with frozen weights")
+    max_output_chars: int = Field(default=2000, ge=1, description="tool output kept (the generator's default)")
+    request_timeout_sec: float = Field(default=600.0, gt=0, description="HTTP timeout of one completion")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def parse_bash_command(function_name: str, arguments: str) -> tuple[str | None, str | None]:
+    """(command, None) for a well-formed bash call, else (None, the error observation for the model)."""
+    if function_name != "bash":
+        return None, f"[error: unknown tool {function_name!r}; the only tool is bash]"
+    try:
+        args = json.loads(arguments) if arguments else {}
+        command = args["command"]
+        if not isinstance(command, str):
+            raise TypeError("command must be a string")
+    except (ValueError, KeyError, TypeError) as e:
+        return None, f"[error: bad bash arguments: {e}]"
+    return command, None
+
+
+def _arguments_dict(arguments: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(arguments) if arguments else {}
+    except ValueError:
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {"raw_arguments": arguments}
+
+
+class TTTAgent(BaseAgent):
+    """Harbor agent: bash tool calls in the task environment, actions from the ds_ttt HTTP server."""
+
+    capabilities = AgentCapabilities(atif=True)
+    options_model = TTTAgentOptions
+
+    @staticmethod
+    def name() -> str:
+        return AGENT_NAME
+
+    def version(self) -> str | None:
+        return ds_ttt.__version__
+
+    @property
+    def settings(self) -> TTTAgentOptions:
+        assert isinstance(self.options, TTTAgentOptions)
+        return self.options
+
+    def _client(self) -> openai.AsyncOpenAI:
+        # the server needs no key; the client insists on one
+        return openai.AsyncOpenAI(base_url=self.settings.server_url, api_key="ds-ttt",
+                                  timeout=self.settings.request_timeout_sec, max_retries=0)
+
+    async def _model(self, client: openai.AsyncOpenAI) -> str:
+        served = [m.id for m in (await client.models.list()).data]
+        if self.model_name:
+            if self.model_name not in served:
+                raise ValueError(f"model {self.model_name!r} (-m) is not served at {self.settings.server_url}; "
+                                 f"it serves {served}")
+            return self.model_name
+        if len(served) != 1:
+            raise ValueError(f"{self.settings.server_url} serves {served}; pick one with -m NAME")
+        return served[0]
+
+    async def setup(self, environment: BaseEnvironment) -> None:
+        """Nothing to install in the environment (the agent runs here); check the server answers."""
+        async with self._client() as client:
+            try:
+                self._served_model = await self._model(client)
+            except openai.APIConnectionError as e:
+                raise RuntimeError(f"the ds_ttt server at {self.settings.server_url} is not reachable ({e}); start "
+                                   "it with `python -m ds_ttt.serve.http --model EXPORT` or pass --ak server_url=...") from e
+
+    async def _run_command(self, environment: BaseEnvironment, command: str) -> str:
+        try:
+            # stderr into stdout in order, as the training sandbox captured it
+            result = await environment.exec(f"exec 2>&1\n{command}", timeout_sec=self.settings.command_timeout_sec)
+        except RuntimeError as e:
+            if not str(e).startswith("Command timed out"):
+                raise
+            return format_observation(CommandResult(command, "", TIMEOUT_EXIT_CODE, timed_out=True),
+                                      max_chars=self.settings.max_output_chars)
+        output = (result.stdout or "") + (result.stderr or "")
+        return format_observation(CommandResult(command, output, result.return_code),
+                                  max_chars=self.settings.max_output_chars)
+
+    async def run(self, instruction: str, environment: BaseEnvironment, context: AgentContext) -> None:
+        opts = self.settings
+        session = f"harbor-{self.session_id or uuid.uuid4().hex}"  # the trajectory's; the server names its own
+        server_session: str | None = None
+        messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]
+        steps = [Step(step_id=1, timestamp=_now(), source="system", message=SYSTEM_PROMPT),
+                 Step(step_id=2, timestamp=_now(), source="user", message=instruction)]
+        totals = {"prompt": 0, "completion": 0}
+        ttt: dict | None = None
+        stop = "max_rounds"
+        async with self._client() as client:
+            model = getattr(self, "_served_model", None) or await self._model(client)
+            for _ in range(opts.max_rounds):
+                reply = await client.chat.completions.create(
+                    model=model, messages=messages, tools=[BASH_TOOL], temperature=opts.temperature, top_p=opts.top_p,
+                    max_tokens=opts.max_tokens, seed=opts.seed,
+                    extra_body={"ttt": opts.ttt} | ({"session_id": server_session} if server_session else {}))
+                ttt = (reply.model_extra or {}).get("ttt")
+                if not isinstance(ttt, dict):
+                    raise RuntimeError(f"{opts.server_url} is not a ds_ttt server: its reply has no `ttt` object")
+                if server_session is None:
+                    server_session = ttt["session_id"]
+                elif ttt["session_id"] != server_session:
+                    raise RuntimeError(f"the server answered from session {ttt['session_id']!r}, not "
+                                       f"{server_session!r}: it found the conversation diverged from its history "
+                                       "and restarted the fast weights")
+                choice = reply.choices[0]
+                message = choice.message
+                extra = message.model_extra or {}
+                assistant: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
+                if extra.get("reasoning_content") is not None:
+                    assistant["reasoning_content"] = extra["reasoning_content"]
+                calls = [c for c in (message.tool_calls or []) if c.type == "function"]
+                if calls:
+                    assistant["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                        "name": c.function.name, "arguments": c.function.arguments}} for c in calls]
+                messages.append(assistant)
+                outputs = []
+                for c in calls:
+                    command, error = parse_bash_command(c.function.name, c.function.arguments)
+                    outputs.append(error if command is None else await self._run_command(environment, command))
+                    messages.append({"role": "tool", "tool_call_id": c.id, "content": outputs[-1]})
+                usage = reply.usage
+                if usage is not None:
+                    totals["prompt"] += usage.prompt_tokens
+                    totals["completion"] += usage.completion_tokens
+                steps.append(Step(
+                    step_id=len(steps) + 1, timestamp=_now(), source="agent", model_name=model,
+                    message=assistant["content"], reasoning_content=assistant.get("reasoning_content"),
+                    tool_calls=[ToolCall(tool_call_id=c.id, function_name=c.function.name,
+                                         arguments=_arguments_dict(c.function.arguments)) for c in calls] or None,
+                    observation=Observation(results=[ObservationResult(source_call_id=c.id, content=o)
+                                                     for c, o in zip(calls, outputs)]) if calls else None,
+                    metrics=Metrics(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
+                    if usage is not None else None,
+                    extra={"ttt": ttt, "finish_reason": choice.finish_reason}))
+                self._write_trajectory(session, model, steps, totals, ttt, stop=None)
+                self._fill_context(context, session, totals, ttt, len(steps) - 2, None)
+                if not calls:
+                    stop = "answer" if choice.finish_reason == "stop" else str(choice.finish_reason)
+                    break
+        self._write_trajectory(session, model, steps, totals, ttt, stop=stop)
+        self._fill_context(context, session, totals, ttt, len(steps) - 2, stop)
+
+    def _fill_context(self, context: AgentContext, session: str, totals: dict, ttt: dict | None, rounds: int,
+                      stop: str | None) -> None:
+        context.n_input_tokens = totals["prompt"]
+        context.n_output_tokens = totals["completion"]
+        context.metadata = {"session_id": session, "rounds": rounds, "stop": stop, "ttt": ttt}
+
+    def _write_trajectory(self, session: str, model: str, steps: list[Step], totals: dict, ttt: dict | None,
+                          stop: str | None) -> None:
+        trajectory = Trajectory(
+            session_id=session,
+            agent=Agent(name=AGENT_NAME, version=ds_ttt.__version__, model_name=model, tool_definitions=[BASH_TOOL]),
+            steps=steps,
+            final_metrics=FinalMetrics(total_prompt_tokens=totals["prompt"],
+                                       total_completion_tokens=totals["completion"], total_steps=len(steps),
+                                       extra={"ttt": ttt, "stop": stop}),
+            extra={"source": "harbor/ds-ttt", "meta": {"server_url": self.settings.server_url, "stop": stop}})
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        path = self.logs_dir / "trajectory.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(trajectory.to_json_dict(), indent=2, ensure_ascii=False))
+        tmp.replace(path)

@@ -1,0 +1,141 @@
+"""The Harbor agent end to end, through Harbor's own runner (`harbor run` of the real `harbor` package in
+.venv-harbor) on the shipped task tests/assets/harbor/count-lines, in the sandbox-backed environment:
+
+  * the environment alone: Harbor's oracle agent (the task's solution) earns reward 1, the nop agent 0,
+    and a task that needs an image build is refused with a clear error; and its contract driven
+    directly (sandbox_env_probe.py): workdir, read-only host /usr, absolute paths inside the sandbox
+    root, timeouts, background processes, transfers, no link escapes, stop ends every process, no-network;
+  * TTTAgent against `python -m ds_ttt.serve.http` serving a tiny export that memorized one solution:
+    its bash call runs in the environment, the verifier's reward (1) is read by Harbor, the server's
+    `ttt.updates` grows by one per tool result (and stays 0 with `--ak ttt=false`), and the ATIF
+    trajectory validates with Harbor's own model and imports with data_prep/prepare.py.
+
+Run: python -m pytest tests/harbor -q   (skips, loudly, only when .venv-harbor is missing: bash setup_harbor.sh)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+from tests.harbor.scripted_agent import (FINAL_ANSWER, HARBOR_VENV, REPO, SOLUTION_COMMAND, TASK_DIR, harbor_env,
+                                         scripted_conversation)
+
+AGENT = "ds_ttt.serve.harbor_agent:TTTAgent"
+ENVIRONMENT = "ds_ttt.serve.harbor_env:SandboxEnvironment"
+
+
+def harbor_run(jobs_dir, job_name: str, *args: str, task=TASK_DIR) -> subprocess.CompletedProcess:
+    argv = [str(HARBOR_VENV / "bin" / "harbor"), "run", "-p", str(task), "--env", ENVIRONMENT, "-o", str(jobs_dir),
+            "--job-name", job_name, "-n", "1", "-q", "-y", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=900, env=harbor_env(), cwd=REPO)
+
+
+def harbor_trial(jobs_dir, job_name: str, *args: str) -> tuple[dict, object]:
+    """`harbor run` of one trial; returns (the trial's result.json, the trial directory)."""
+    proc = harbor_run(jobs_dir, job_name, *args)
+    trials = [p for p in (jobs_dir / job_name).iterdir() if p.is_dir()] if (jobs_dir / job_name).is_dir() else []
+    assert len(trials) == 1 and (trials[0] / "result.json").is_file(), (
+        f"harbor run made {len(trials)} trials (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads((trials[0] / "result.json").read_text()), trials[0]
+
+
+def exception_of(result: dict) -> str:
+    info = result.get("exception_info")
+    return "" if info is None else f"{info['exception_type']}: {info['exception_message']}"
+
+
+def test_sandbox_environment_runs_harbor_trials(harbor_python, tmp_path):
+    oracle, trial = harbor_trial(tmp_path, "oracle", "--agent", "oracle")
+    assert exception_of(oracle) == "" and oracle["verifier_result"]["rewards"] == {"reward": 1.0}
+    assert (trial / "verifier" / "reward.txt").read_text().strip() == "1"
+    assert "pass" in (trial / "verifier" / "test-stdout.txt").read_text()
+
+    nop, trial = harbor_trial(tmp_path, "nop", "--agent", "nop")
+    assert exception_of(nop) == "" and nop["verifier_result"]["rewards"] == {"reward": 0.0}
+    assert (trial / "verifier" / "reward.txt").read_text().strip() == "0"
+
+    task = tmp_path / "needs-image"
+    shutil.copytree(TASK_DIR, task)
+    (task / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\n")
+    refused = harbor_run(tmp_path, "refused", "--agent", "oracle", task=task)
+    assert refused.returncode != 0 and "SandboxEnvironment does not build images" in refused.stdout + refused.stderr
+
+
+def test_sandbox_environment_contract(harbor_python, tmp_path):
+    """The environment's own contract, driven directly (sandbox_env_probe.py in the Harbor venv)."""
+    proc = subprocess.run([str(harbor_python), str(REPO / "tests" / "harbor" / "sandbox_env_probe.py"),
+                           str(TASK_DIR / "environment"), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=harbor_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["pwd"] == "/app\n" and got["notes"] == (TASK_DIR / "environment" / "notes.txt").read_text()
+    assert got["home_uid"] == "/root 0\n"
+    assert got["usr_write"][0] != 0 and "Read-only file system" in got["usr_write"][1]  # the host's /usr is safe
+    assert got["absolute_write"] == "1\n" and got["lands_in_root"] == "1\n"  # /logs/... lands in the sandbox root
+    assert got["exit_code"] == 7 and got["stderr"] == "oops\n" and got["env"] == "bar\n"
+    assert got["background_alive"] == "alive\n"  # a background process outlives its exec, as in `docker exec`
+    assert got["timeout"] == "Command timed out after 1 seconds" and got["timeout_sec"] < 10
+    assert got["uploaded_dir"] == "Aran\n" and got["uploaded_file"] == "A" and got["downloaded_file"] == "A"
+    assert got["downloaded"] == ["d", "d/x.txt"]  # the link to /etc/passwd was not followed out of the sandbox
+    assert got["processes_before_stop"] >= 2 and got["processes_after_stop"] == 0 and got["root_removed"]
+    assert got["public_network"] == "reachable\n"
+    assert got["disable_internet"] and got["no_network"] == "unreachable\n"  # no-network tasks get only loopback
+
+
+def agent_steps(trajectory: dict) -> list[dict]:
+    return [s for s in trajectory["steps"] if s["source"] == "agent"]
+
+
+def test_ttt_agent_solves_the_task_through_harbor(harbor_python, ttt_server, tmp_path):
+    options = ["--ak", f"server_url={ttt_server}", "--ak", "max_rounds=4", "--ak", "max_tokens=96"]
+    result, trial = harbor_trial(tmp_path, "ttt", "--agent", AGENT, *options)
+    assert exception_of(result) == "", exception_of(result)
+    assert result["agent_info"]["name"] == "ds-ttt"
+    # the verifier ran test.sh in the sandbox and Harbor read its reward file
+    assert (trial / "verifier" / "reward.txt").read_text().strip() == "1"
+    assert result["verifier_result"]["rewards"] == {"reward": 1.0}
+
+    path = trial / "agent" / "trajectory.json"
+    trajectory = json.loads(path.read_text())
+    steps = agent_steps(trajectory)
+    assert [s["source"] for s in trajectory["steps"][:2]] == ["system", "user"]
+    assert trajectory["steps"][1]["message"] == (TASK_DIR / "instruction.md").read_text()
+    assert len(steps) == 2, steps
+    call = steps[0]["tool_calls"][0]
+    assert call["function_name"] == "bash" and call["arguments"] == {"command": SOLUTION_COMMAND}
+    assert steps[0]["observation"]["results"] == [{"source_call_id": call["tool_call_id"], "content": "(no output)"}]
+    assert "tool_calls" not in steps[1] and steps[1]["message"] == FINAL_ANSWER
+    # one inner update per tool result: none before the first reply, one before the second
+    assert [s["extra"]["ttt"]["updates"] for s in steps] == [0, 1]
+    assert len({s["extra"]["ttt"]["session_id"] for s in steps}) == 1
+    metadata = result["agent_result"]["metadata"]
+    assert metadata["stop"] == "answer" and metadata["ttt"]["updates"] == 1
+    assert result["agent_result"]["n_output_tokens"] > 0
+
+    # Harbor's own ATIF model accepts the file
+    check = subprocess.run([str(harbor_python), "-c", "import sys; from harbor.models.trajectories import Trajectory; "
+                            "t = Trajectory.model_validate_json(open(sys.argv[1]).read()); print(len(t.steps))",
+                            str(path)], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and check.stdout.strip() == "4", check.stderr
+    # ... and the project's importer turns it into a training trajectory
+    out = tmp_path / "prepared"
+    prep = subprocess.run([sys.executable, "data_prep/prepare.py", "--inputs", str(path), "--out", str(out),
+                           "--test-fraction", "0"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert prep.returncode == 0, prep.stdout + prep.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["imported_by_format"] == {"atif": 1} and manifest["num_rejects"] == 0
+    assert manifest["splits"]["train"]["num_rounds"] == 2
+    from ds_ttt.data.render import TokenKind, render_trajectory
+    from ds_ttt.data.tokenizer import load_tokenizer
+
+    # the imported trajectory renders the very action tokens the model was trained to produce
+    scripted = render_trajectory(scripted_conversation(), load_tokenizer())
+    assert manifest["splits"]["train"]["tokens"]["action"] == scripted.count(TokenKind.ACTION)
+
+    frozen, trial = harbor_trial(tmp_path, "frozen", "--agent", AGENT, *options, "--ak", "ttt=false")
+    assert exception_of(frozen) == "", exception_of(frozen)
+    frozen_steps = agent_steps(json.loads((trial / "agent" / "trajectory.json").read_text()))
+    assert [s["extra"]["ttt"]["updates"] for s in frozen_steps] == [0] * len(frozen_steps)

@@ -47,6 +47,15 @@ def exception_of(result: dict) -> str:
     return "" if info is None else f"{info['exception_type']}: {info['exception_message']}"
 
 
+def test_agent_and_environment_import_without_torch(harbor_python):
+    """The Harbor venv has no torch: importing the agent's package must not pull it in."""
+    code = ("import sys, ds_ttt.serve.harbor_agent, ds_ttt.serve.harbor_env; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([str(harbor_python), "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0, ("the Harbor venv cannot import the agent (ds_ttt/serve/__init__.py must not import "
+                                  f"torch eagerly):\n{proc.stderr[-2000:]}")
+
+
 def test_sandbox_environment_runs_harbor_trials(harbor_python, tmp_path):
     oracle, trial = harbor_trial(tmp_path, "oracle", "--agent", "oracle")
     assert exception_of(oracle) == "" and oracle["verifier_result"]["rewards"] == {"reward": 1.0}

@@ -1,6 +1,7 @@
 """The Harbor agent end to end, through Harbor's own runner (`harbor run` of the real `harbor` package in
 .venv-harbor) on the shipped task tests/assets/harbor/count-lines, in the sandbox-backed environment:
 
+  * the agent's package imports in the Harbor venv without torch;
   * the environment alone: Harbor's oracle agent (the task's solution) earns reward 1, the nop agent 0,
     and a task that needs an image build is refused with a clear error; and its contract driven
     directly (sandbox_env_probe.py): workdir, read-only host /usr, absolute paths inside the sandbox

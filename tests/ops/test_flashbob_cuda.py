@@ -109,3 +109,39 @@ def test_cuda_long_sequence_matches_reference_on_a_slice():
     for i, (a, b, r) in enumerate(zip(outs["cuda"], outs["ref_bf16"], outs["ref32"])):
         err, err_ref = (a - r).abs().max().item(), (b - r).abs().max().item()
         assert err <= 4 * err_ref + 4 * torch.finfo(torch.bfloat16).eps * r.abs().max().item(), i
+
+
+@pytest.mark.gpu
+def test_cuda_rejects_a_misaligned_contiguous_view_with_a_clear_error():
+    # The tensor-core kernels stream rows with 16-byte cp.async; a contiguous view that starts
+    # one element into its storage must be refused by name, not fault on the GPU.
+    flat = torch.randn(1 * 2 * 64 * 64 + 1, device="cuda", dtype=torch.bfloat16)
+    q = flat[1:].view(1, 2, 64, 64)
+    k, v = (torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert q.is_contiguous()
+    with pytest.raises(RuntimeError, match="q must start at a 16-byte aligned address"):
+        attention(q, k, v, backend="cuda")
+    o = attention(q.clone(), k, v, backend="cuda")  # the fix the message names works
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.gpu
+def test_cuda_large_gqa_step_matches_reference_at_head_dim_128():
+    # H = 8/2, N = 1024, D = 128: many tiles of every kernel, GQA head packing across blocks,
+    # causal tile skipping, in bf16 against the fp32 reference with the derived rule.
+    g = torch.Generator(device="cuda").manual_seed(11)
+    shapes = ((1, 8, 1024, 128), (1, 2, 1024, 128), (1, 2, 1024, 128), (1, 8, 1024, 128))
+    base = [torch.randn(s, device="cuda", generator=g) for s in shapes]
+    outs = {}
+    for name, dt, be in (("ref32", torch.float32, "reference"),
+                         ("ref_bf16", torch.bfloat16, "reference"),
+                         ("cuda", torch.bfloat16, "cuda")):
+        q, k, v, do = (t.to(dt).requires_grad_(True) for t in base)
+        o = attention(q, k, v, backend=be)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+        phi = (dq.float().square().sum() + (dk.float() * dv.float()).sum())
+        second = torch.autograd.grad(phi, (q, k, v, do))
+        outs[name] = [t.detach().float() for t in (o, dq, dk, dv, *second)]
+    for i, (a, b, r) in enumerate(zip(outs["cuda"], outs["ref_bf16"], outs["ref32"])):
+        err, err_ref = (a - r).abs().max().item(), (b - r).abs().max().item()
+        assert err <= 4 * err_ref + 4 * torch.finfo(torch.bfloat16).eps * r.abs().max().item(), i

@@ -1,12 +1,13 @@
-// FlashBoB CUDA binding: validates inputs (TORCH_CHECK) and calls the launchers of
-// flashbob_cuda_kernel.cu on the current stream. Exports fwd, bwd, bwd_bwd with the same
-// signatures as the CPU extension (flashbob_cpu.cpp), so ds_ttt/ops/flashbob/function.py is
-// backend-agnostic. Storage bf16/fp16, head dim 64 or 128; stats and row scalars fp32.
+// FlashBoB CUDA binding: validates inputs (TORCH_CHECK) and calls the launchers of the
+// tensor-core kernels (flashbob_cuda_kernel.cu, sm_80+) on the current stream. Exports fwd, bwd,
+// bwd_bwd with the same signatures as the CPU extension (flashbob_cpu.cpp), so
+// ds_ttt/ops/flashbob/function.py is backend-agnostic. Storage bf16/fp16, head dim 64 or 128; stats and row scalars fp32.
 // Only c10 CUDA headers (no ATen/cuda/CUDAContext.h: it needs cuBLAS/cuSPARSE headers).
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -21,6 +22,11 @@ void check_input(const at::Tensor& t, const char* name, const at::Tensor& ref) {
               " differs from q dtype ", ref.scalar_type());
   TORCH_CHECK(t.dim() == 4, name, " must have rank 4 [B, H, N, D], got ", t.dim());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  // The kernels stream rows with 16-byte cp.async: a contiguous view that starts mid-row (a
+  // storage offset that is not a multiple of 8 elements) would fault on the GPU.
+  TORCH_CHECK(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0, name,
+              " must start at a 16-byte aligned address (storage offset ", t.storage_offset(),
+              " elements); pass ", name, ".clone()");
 }
 
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref) {
@@ -96,8 +102,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& q, const at::Tensor& k, const at::
   return {dq, dk, dv};
 }
 
-// dq is accepted for signature parity with the CPU op but unused: the kernel recomputes
-// R = dS·K in fp32 instead of reusing the bf16-rounded dQ.
+// dq is accepted for signature parity with the CPU op but unused: the kernels form
+// S̄ = P∘(P̄° − α·(dP − D) − E°) per element in fp32 and need no first-order dQ (see the .cu).
 std::vector<at::Tensor> bwd_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& o, const at::Tensor& stats,
                                 const at::Tensor& dout, const at::Tensor& dq,

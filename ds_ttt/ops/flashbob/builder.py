@@ -10,8 +10,10 @@ package). `load_cpu_op()` / `load_cuda_op()` build on first call and cache the m
 cache is $TORCH_EXTENSIONS_DIR, defaulted (only when unset) to <repo>/.torch_extensions/
 torch-<version> so that CPU and CUDA torch builds never share objects.
 
-CUDA compile check without a GPU: .ci/cuda_build_check.sh (needs a CUDA torch build, CUDA_HOME
-and TORCH_CUDA_ARCH_LIST).
+CUDA compile check without a GPU: .ci/cuda_build_check.sh (needs a CUDA torch build and CUDA_HOME;
+it builds for FlashBoBCUDABuilder.ARCH_LIST, sm_80 and sm_90, and checks the PTX for mma.sync).
+At run time with a GPU visible and TORCH_CUDA_ARCH_LIST unset, DeepSpeed builds for that GPU.
+The kernels need sm_80 or later (bf16 mma.sync m16n8k16, ldmatrix, cp.async).
 """
 
 from __future__ import annotations
@@ -77,10 +79,13 @@ class FlashBoBCPUBuilder(OpBuilder):
 
 
 class FlashBoBCUDABuilder(CUDAOpBuilder):
-    """CUDA kernels: bf16/fp16 storage, fp32 accumulation, head dims 64 and 128."""
+    """Tensor-core CUDA kernels (mma.sync): bf16/fp16 storage, fp32 accumulation, head dims 64/128."""
 
     BUILD_VAR = "DS_BUILD_DS_TTT_FLASHBOB_CUDA"
     NAME = "ds_ttt_flashbob_cuda"
+    # Architectures the compile check (and any GPU-less build) targets: A100 (sm_80), H100/H200
+    # (sm_90). Format of TORCH_CUDA_ARCH_LIST.
+    ARCH_LIST = "8.0;9.0"
 
     def __init__(self):
         super().__init__(name=self.NAME)
@@ -90,6 +95,7 @@ class FlashBoBCUDABuilder(CUDAOpBuilder):
         return f"ds_ttt.ops.flashbob.{self.NAME}_op"
 
     def sources(self):
+        # flashbob_cuda_kernel.cu includes flashbob_cuda_tiles.cuh and mma.cuh (tensor-core PTX).
         return [str(CSRC / "flashbob_cuda.cpp"), str(CSRC / "flashbob_cuda_kernel.cu")]
 
     def include_paths(self):
@@ -125,7 +131,8 @@ class FlashBoBCUDABuilder(CUDAOpBuilder):
             if major < 8:
                 reason = f"GPU compute capability {major}.{minor} < 8.0 (bf16 kernels need sm80+)"
         elif not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            reason = "no GPU visible and TORCH_CUDA_ARCH_LIST unset: nothing to compile for"
+            reason = ("no GPU visible and TORCH_CUDA_ARCH_LIST unset: nothing to compile for "
+                      f"(set TORCH_CUDA_ARCH_LIST={self.ARCH_LIST!r})")
         self.incompatible_reason = reason
         self.error_log = reason or None
         if reason and verbose:

@@ -17,7 +17,10 @@ The loop is the training loop's (the data generator's and `ds_ttt.serve.runner`'
   * the conversation goes back to the server with the `session_id` its first reply named, so that TTT
     session observes each tool result (one inner step on the fast weights) before it generates the
     next action (a reply from another session — the server found the history diverged — is an error);
-  * it ends at a reply without tool calls, or after `max_rounds` replies.
+  * it ends at a reply without tool calls, or after `max_rounds` replies. A reply whose only tool calls
+    did not parse (the server's `invalid_tool_calls`) also ends it (stop "invalid_tool_calls"): the
+    OpenAI format has no tool result for a call without an id, whereas the training runner reports
+    such calls back as `[error: invalid tool call: …]` observations.
 The trajectory is written as ATIF (`logs_dir/trajectory.json`, Harbor's own pydantic model, rewritten
 after every round) with the server's `ttt` object ({"session_id", "updates", "skipped", "policy"})
 and usage on each agent step; it imports with `data_prep/prepare.py`.
@@ -182,6 +185,7 @@ class TTTAgent(BaseAgent):
                 if extra.get("reasoning_content") is not None:
                     assistant["reasoning_content"] = extra["reasoning_content"]
                 calls = [c for c in (message.tool_calls or []) if c.type == "function"]
+                invalid = extra.get("invalid_tool_calls") or []  # the server's parse failures of <tool_call>
                 if calls:
                     assistant["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                         "name": c.function.name, "arguments": c.function.arguments}} for c in calls]
@@ -204,11 +208,13 @@ class TTTAgent(BaseAgent):
                                                      for c, o in zip(calls, outputs)]) if calls else None,
                     metrics=Metrics(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
                     if usage is not None else None,
-                    extra={"ttt": ttt, "finish_reason": choice.finish_reason}))
+                    extra={"ttt": ttt, "finish_reason": choice.finish_reason}
+                    | ({"invalid_tool_calls": invalid} if invalid else {})))
                 self._write_trajectory(session, model, steps, totals, ttt, stop=None)
                 self._fill_context(context, session, totals, ttt, len(steps) - 2, None)
-                if not calls:
-                    stop = "answer" if choice.finish_reason == "stop" else str(choice.finish_reason)
+                if not calls:  # unparseable calls cannot go back as tool results: the episode ends there
+                    stop = ("invalid_tool_calls" if invalid else "answer") if choice.finish_reason == "stop" \
+                        else str(choice.finish_reason)
                     break
         self._write_trajectory(session, model, steps, totals, ttt, stop=stop)
         self._fill_context(context, session, totals, ttt, len(steps) - 2, stop)

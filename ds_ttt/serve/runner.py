@@ -2,22 +2,26 @@
 
     .venv/bin/python -m ds_ttt.serve.runner --model EXPORT --task "Count the lines of notes.txt" \
         [--setup-dir DIR] [--max-rounds 20] [--timeout 10] [--temperature 0] [--max-new-tokens 512] [--keep] \
-        [--device cpu] [--attention-backend {auto,reference,cpu,cuda}]
+        [--device cpu] [--attention-backend {auto,reference,cpu,cuda}] [--no-isolation]
 
-Each command runs through `ds_ttt.data.sandbox.Sandbox` — the generator's own sandbox, so the
-observations look exactly like the training data: `bash --noprofile --norc -c CMD` in a fresh temporary
-directory (also HOME), C locale, fixed PATH, stdin from /dev/null, a timeout, no network via
-`unshare -rn` where the kernel allows it, and the output formatted by `format_observation` (exit code
-and timeout notes appended, long output cut). The directory is deleted afterwards unless --keep.
-This is a convenience for trying a model, not a security boundary for untrusted code.
+Each command runs through `ds_ttt.data.sandbox.Sandbox`, the generator's own sandbox, so the
+observations look exactly like the training data: `bash --noprofile --norc -c CMD` in a fresh throwaway
+directory (also HOME), C locale, fixed PATH, stdin from /dev/null, a timeout, an output cap, and
+per-command user/network/mount/PID namespaces (no network, writes only inside the throwaway root, a
+process cap; see ds_ttt/data/sandbox.py for what it protects and what it does not). Without the
+namespaces (no `unshare`, or unprivileged user namespaces disabled) the runner refuses; --no-isolation
+accepts running the model's commands with this machine's network, write access and process table.
+The output is formatted by `format_observation` (exit code and timeout notes appended, long output
+cut). The directory is deleted afterwards unless --keep.
 Prints one JSON line per round (message, observation, observation loss) and a final summary, which
-records the attention backend used.
+records the sandbox isolation used ("unshare" or "none") and the attention backend.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from ds_ttt.data.sandbox import Sandbox, format_observation
@@ -27,8 +31,8 @@ class BashToolRunner:
     """Executes `bash` tool calls (arguments {"command": ...}) in one throwaway sandbox directory."""
 
     def __init__(self, *, timeout: float = 10.0, max_output_chars: int = 2000, keep: bool = False,
-                 setup_dir: str | Path | None = None):
-        self.sandbox = Sandbox(keep=keep, timeout=timeout)
+                 setup_dir: str | Path | None = None, isolation: str = "required"):
+        self.sandbox = Sandbox(keep=keep, timeout=timeout, isolation=isolation)
         self.max_output_chars = max_output_chars
         if setup_dir is not None:
             shutil.copytree(setup_dir, self.sandbox.root, dirs_exist_ok=True)
@@ -36,6 +40,11 @@ class BashToolRunner:
     @property
     def root(self) -> Path:
         return self.sandbox.root
+
+    @property
+    def isolation(self) -> str:
+        """What the sandbox uses: "unshare" (namespaces) or "none" (--no-isolation)."""
+        return self.sandbox.isolation
 
     def __enter__(self) -> "BashToolRunner":
         return self
@@ -105,16 +114,24 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="reference",
                    help="attention kernel: reference (default), auto (cuda on a GPU, cpu kernel on a CPU), cpu, cuda")
     p.add_argument("--keep", action="store_true", help="keep the sandbox directory")
+    p.add_argument("--no-isolation", action="store_true",
+                   help="run the model's commands without the sandbox's namespaces (with this machine's network, "
+                        "write access and process table) where they are unavailable; recorded in the summary")
     args = p.parse_args(argv)
     from ds_ttt.serve.session import AgentSession
 
     session = AgentSession(args.model, device=args.device, temperature=args.temperature,
                            max_new_tokens=args.max_new_tokens, attention_backend=args.attention_backend)
-    with BashToolRunner(timeout=args.timeout, keep=args.keep, setup_dir=args.setup_dir) as runner:
+    if args.no_isolation:
+        print("warning: --no-isolation: the model's commands run with this machine's network, write access and "
+              "process table", file=sys.stderr, flush=True)
+    with BashToolRunner(timeout=args.timeout, keep=args.keep, setup_dir=args.setup_dir,
+                        isolation="none" if args.no_isolation else "required") as runner:
         result = run_episode(session, args.task, runner, max_rounds=args.max_rounds,
                              on_round=lambda r: print(json.dumps(r, ensure_ascii=False), flush=True))
         summary = {k: v for k, v in result.items() if k != "rounds"}
         summary["attention_backend"] = session.agent.attention_backend
+        summary["isolation"] = runner.isolation
         if args.keep:
             summary["sandbox"] = str(runner.root)
     print(json.dumps(summary), flush=True)

@@ -44,7 +44,7 @@ from ds_ttt.data.render import (
     parse_assistant_message, render_action, render_action_end, render_generation_prompt, render_message,
     render_trajectory)
 from ds_ttt.model.event_loop import observation_labels
-from ds_ttt.model.fast_weights import inner_sgd_step
+from ds_ttt.model.fast_weights import inner_loop_weights, inner_sgd_step
 from ds_ttt.ops.flashbob import attention
 from ds_ttt.serve.kv_cache import KVCache
 
@@ -309,7 +309,8 @@ class AgentSession:
         n = len(r.input_ids)
         cache = KVCache.for_model(self.model, capacity=n + 2 * min(self.max_new_tokens, 1024) + 64,
                                   max_capacity=self.max_context)
-        weights = tuple(w.detach().clone() for w in self.model.initial_fast_weights())
+        # fp32 (at least) leaf copies of W_0: a bf16 model's inner steps are below half a bf16 ulp
+        weights = inner_loop_weights(self.model.initial_fast_weights(), differentiable=False)
         with torch.no_grad():
             self._forward(r.input_ids, 0, 0, cache, weights, want=[])
         self._s = _State(ids=list(r.input_ids), kinds=list(r.kinds), rounds=list(r.rounds), cache=cache,

@@ -166,3 +166,36 @@ def test_export_from_a_training_checkpoint(tmp_path, tiny_qwen3_config, monkeypa
 def test_export_cli_help_shows_usage():
     out = subprocess.run([sys.executable, "launch/export.py", "--help"], capture_output=True, text=True, check=True)
     assert "--max-shard-size" in out.stdout and "--checkpoint" in out.stdout
+
+
+def test_tied_embeddings_export_once_and_load_tied(tmp_path, tiny_qwen3_config):
+    """Qwen3-0.6B..4B tie the LM head to the embedding: the export writes the matrix once (safetensors
+    refuses shared tensors), says so in config.json, and both loaders tie it again."""
+    tiny_qwen3_config.tie_word_embeddings = True
+    model = trained_like_model(tiny_qwen3_config)
+    assert export_mod.is_tied(model)
+    export_model(model, tmp_path, max_shard_size="200KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is True
+    loaded = load_export(tmp_path)
+    assert export_mod.is_tied(loaded)
+    ids, kinds, rounds = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+        a = model.trajectory_loss(ids, kinds, rounds, create_graph=False)
+        b = loaded.trajectory_loss(ids, kinds, rounds, create_graph=False)
+    torch.testing.assert_close(b.loss, a.loss, rtol=0, atol=0)
+    hf, info = AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    off = load_export(tmp_path)
+    with torch.no_grad():
+        for layer in off.adaptive_layers:
+            layer.prime_mlp.down_proj.weight.zero_()
+        torch.testing.assert_close(hf.eval()(ids).logits, off(ids), rtol=1e-5, atol=1e-5)
+    # a config that says tied with an untied model (or the reverse) is refused, not exported wrongly
+    untied = trained_like_model(tiny_qwen3_config)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    with pytest.raises(ValueError, match="tie_word_embeddings=True but lm_head.weight is not the embedding"):
+        export_model(untied, tmp_path / "bad")

@@ -229,6 +229,22 @@ def test_bash_runner_sandbox_timeouts_and_errors():
     assert not root.exists()
 
 
+def test_bash_runner_isolation_is_required_unless_declined():
+    from ds_ttt.data.sandbox import SandboxError, isolation_problem
+
+    problem = isolation_problem()
+    if problem is None:
+        with BashToolRunner(timeout=2) as runner:
+            assert runner.isolation == "unshare"
+            runner.execute({"function": {"name": "bash", "arguments": json.dumps({"command": "echo x > ../escape"})}})
+            assert not (runner.root.parent.parent / "escape").exists()  # the write stayed inside the throwaway root
+    else:
+        with pytest.raises(SandboxError, match="--no-isolation"):
+            BashToolRunner(timeout=2)
+    with BashToolRunner(timeout=2, isolation="none") as runner:
+        assert runner.isolation == "none"
+
+
 def test_run_episode_loop_with_a_scripted_session():
     class Scripted:
         round = 0

@@ -9,7 +9,8 @@ observation loss; "bug_pp4_zero0_clip" = 4 stages with clipping but without ZeRO
 trainer refuses it); "sft_pp4" = the SFT baseline (adaptive_layers=0, no inner loop, frozen stages
 0-2); "prime_pp4" / "prime_pp2dp2" = trainable_scope 'prime' (the 8B default: stages without a
 trainable parameter run no backward); "tied_pp4" = tied embeddings (TiedLayerSpec between stage 0 and
-the last stage; 4 stages, ZeRO-1, clipping: cpu_tiny's layout). The optimizer is SGD with lr 1 (a client optimizer), so each parameter's update is
+the last stage; 4 stages, ZeRO-1, clipping: cpu_tiny's layout); "prime_pp4_bf16" = the Qwen3-8B
+recipe's engine settings (bf16, ZeRO-1, clipping 1.0, 'prime'). The optimizer is SGD with lr 1 (a client optimizer), so each parameter's update is
 exactly minus its (clipped, data-parallel averaged) gradient. The trajectories have 1 to 5 rounds with
 1 or 6 action tokens each, so the token-weighted objective differs from a mean of micro-batch means.
 Rank files: OUT_DIR/<layout>/rank<R>.pt = {"loss", "delta": {HF name: tensor}}.
@@ -42,6 +43,13 @@ LAYOUTS = {
     "prime_pp2dp2": (2, 1, 0.0, 1, 2, PRIME, False),
     "tied_pp4": (4, 1, 0.05, 1, 2, ALL, True),  # also cpu_tiny's engine layout (4 stages, ZeRO-1, clipping)
 }
+# The Qwen3-8B recipe's engine path (qwen3_8b_pp4.json: bf16, ZeRO-1, clipping 1.0, scope 'prime'): bf16
+# boundaries cross as byte views, the frozen stages' optimizers hold only the unused anchor.
+BF16_LAYOUTS = {"prime_pp4_bf16": (4, 1, 1.0, 1, 2, PRIME, False)}
+
+
+def layout_of(name: str) -> tuple:
+    return LAYOUTS[name] if name in LAYOUTS else BF16_LAYOUTS[name]
 
 
 def backbone(tied: bool = False):
@@ -51,7 +59,7 @@ def backbone(tied: bool = False):
 
 def make_reference(name: str) -> TTTQwen3ForCausalLM:
     torch.manual_seed(0)
-    model = TTTQwen3ForCausalLM(backbone(LAYOUTS[name][6]), TTTConfig(**LAYOUTS[name][5]))
+    model = TTTQwen3ForCausalLM(backbone(layout_of(name)[6]), TTTConfig(**layout_of(name)[5]))
     with torch.no_grad():  # non-zero prime down projections: the inner updates change the outer loss
         for layer in model.adaptive_layers:
             layer.prime_mlp.down_proj.weight.normal_(0, 0.05)
@@ -89,7 +97,7 @@ def run_layout(name: str, out: pathlib.Path) -> None:
     from ds_ttt.train.engine import set_step_objective
     from ds_ttt.train.pipeline import TTTPipelineModule
 
-    stages, zero, clip, micro, gas, _, tied = LAYOUTS[name]
+    stages, zero, clip, micro, gas, _, tied = layout_of(name)
     ref = make_reference(name)
     layout = resolve_layout(stages, 8, ref.ttt, tied_embeddings=tied)
     module = TTTPipelineModule(ref.config, ref.ttt, layout, seed=0)
@@ -98,14 +106,15 @@ def run_layout(name: str, out: pathlib.Path) -> None:
         for _, local, hf, p in module.local_hf_named_parameters():
             p.copy_(full[hf])
     params = [p for p in module.parameters() if p.requires_grad]
-    before = {hf: p.detach().clone() for _, _, hf, p in module.local_hf_named_parameters()}
     ds = {"train_batch_size": micro * gas * (4 // stages), "train_micro_batch_size_per_gpu": micro,
           "gradient_accumulation_steps": gas, "pipeline": {"stages": stages, "activation_checkpoint_interval": 1,
                                                            "use_reentrant": False},
           "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
-          "gradient_clipping": clip, "steps_per_print": 10**6}
+          "gradient_clipping": clip, "steps_per_print": 10**6, "bf16": {"enabled": name in BF16_LAYOUTS}}
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params,
                                            optimizer=torch.optim.SGD(params, lr=1.0), config=ds)
+    # after initialize: with bf16 DeepSpeed has cast the weights (the cast is no update)
+    before = {hf: p.detach().clone() for _, _, hf, p in module.local_hf_named_parameters()}
     data = batches(stages, micro, gas, engine.grid.data_parallel_id)
     it = data.iterate(0) if engine.is_first_stage() or engine.is_last_stage() else None
     last = module.last_stage_layer()
@@ -125,7 +134,7 @@ def main() -> None:
     out = pathlib.Path(sys.argv[1])
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
-    for name in LAYOUTS:
+    for name in [*LAYOUTS, *BF16_LAYOUTS]:
         run_layout(name, out)
     torch.distributed.destroy_process_group()
 

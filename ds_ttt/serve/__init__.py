@@ -10,9 +10,19 @@
   openai_api.py    the OpenAI wire format (request validation, replies, SSE chunks, error objects)
   conversations.py the server's sessions: lookup by session_id or message prefix, fork-and-commit,
                    per-session locks, LRU eviction
-See docs/serving.md.
+  harbor_agent.py  the Harbor agent (TTTAgent) that talks to http.py; harbor_env.py its sandbox-backed
+                   Harbor environment. Both run in the Harbor venv, which has no torch: this package
+                   therefore imports session.py (and torch) lazily, on first use of its names.
+See docs/serving.md and docs/harbor.md.
 """
 
-from ds_ttt.serve.session import AgentModel, AgentSession, ContextFullError, SessionError
+_SESSION_NAMES = ("AgentModel", "AgentSession", "ContextFullError", "SessionError")
+__all__ = list(_SESSION_NAMES)
 
-__all__ = ["AgentModel", "AgentSession", "ContextFullError", "SessionError"]
+
+def __getattr__(name):
+    if name in _SESSION_NAMES:
+        from ds_ttt.serve import session
+
+        return getattr(session, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

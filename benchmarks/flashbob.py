@@ -1,30 +1,47 @@
-"""Benchmark the FlashBoB second-order attention step against PyTorch math attention.
+"""Benchmark the FlashBoB second-order attention step against PyTorch math attention, with every
+timed result checked against the reference and every rate checked against this run's peak.
 
-    cd /work/main && .venv/bin/python benchmarks/flashbob.py                  # CPU table
-    .venv/bin/python benchmarks/flashbob.py --seqlens 1024,2048 --configs 8/8  # quick look
-    .venv/bin/python benchmarks/flashbob.py --device cuda                     # on a GPU box
+    cd /work/main && OMP_NUM_THREADS=2 .venv/bin/python benchmarks/flashbob.py   # CPU table (~5 min)
+    .venv/bin/python benchmarks/flashbob.py --seqlens 1024 --configs 8/8          # quick look
+    .venv/bin/python benchmarks/flashbob.py --device cuda                         # on a GPU box
 
 One "step" is what the meta-gradient does with an attention layer: forward, first gradient with
 create_graph=True, then the gradient of Φ = Σ <U_X, dX> (X = Q, K, V) w.r.t. Q, K, V. Shapes:
-B=1, H_q=8 with H_kv in {8, 2} (MHA and GQA), D=64, causal, N in --seqlens. Each (impl, shape)
-runs in its own subprocess so peak memory is clean: peak RSS on CPU (ru_maxrss) and the increase
-over the process's RSS after imports; torch.cuda.max_memory_allocated on CUDA.
+B=1, H_q=8 with H_kv in {8, 2} (MHA and GQA), D=64, causal, N in --seqlens.
 
+Honesty rules (a result that breaks one is an error: the row says why and the exit code is 1):
+  * every timed repeat is checked: its seven outputs (O, dQ, dK, dV, Q̄, K̄, V̄; flash_attn: the
+    first four) are fingerprinted; the first repeat's outputs, and any repeat whose fingerprint
+    differs, are compared by a separate process with the float64 reference
+    (ds_ttt.ops.flashbob.reference, one query head at a time) within a tolerance derived from
+    the float32 reference's own error (CHECK_FACTOR x, plus a floor of CHECK_FLOOR_ULPS ulps);
+  * timing: `--repeats` timed steps after `--warmup`; the table gives the median and the range;
+    wall time and process CPU time are both recorded, and CPU time above wall time x threads
+    (more parallelism than the process has) is an error;
+  * peak: the fp32 matmul rate is measured before every case and at the end (wall GFLOP/s and
+    GFLOP per CPU-second); the run's peak is the maximum. A case whose wall rate exceeds the wall
+    peak, or whose rate per CPU-second exceeds the matmul's per CPU-second, is an error: the FLOP
+    count or the timing would be wrong, or the step did not do the work.
+GFLOP/s uses the same causal "useful" FLOP count for every implementation: fwd 4·N²·d, first
+backward 10·N²·d, BoB 36·N²·d per query head, halved for causal.
+
+Each (impl, shape) runs in its own subprocess so peak memory is clean: peak RSS on CPU
+(ru_maxrss) and its increase over the process's RSS after imports; torch.cuda.max_memory_allocated
+on CUDA. The kernel source's SHA-256 is recorded per case (a mid-run rebuild would show).
 Implementations:
   cpu   : ds_ttt.ops.flashbob.attention(backend="cpu")  (C++ tiled, O(N·d) extra memory)
   math  : F.scaled_dot_product_attention under SDPBackend.MATH (stores N×N tensors)
-  cuda  : backend="cuda";  flash_attn: flash_attn_func forward+backward (first order only; the
-          reference point for the issue's "BoB ≤ 4x flash-attn fwd+bwd" target)
-Math is skipped (and the table says why) when its predicted peak (4x the previous N's increase)
-exceeds --mem-limit-gb, or after it failed at a smaller N. --time-budget-s stops starting new
-cases once spent. GFLOP/s uses the same causal "useful" FLOP count for every implementation:
-fwd 4·N²·d, first backward 10·N²·d, BoB 36·N²·d per head, halved for causal; it is printed next
-to this machine's measured fp32 matmul GFLOP/s. Results: benchmarks/results/flashbob_<device>.{json,md}.
+  cuda  : backend="cuda";  flash_attn: flash_attn_func forward+backward (first order only)
+Math is skipped above --math-max-n, when its predicted peak (4x the previous N's increase)
+exceeds --mem-limit-gb, or after it failed at a smaller N. Cases above --check-max-n are not
+run (the float64 reference needs O(N²) memory per head) unless --allow-unchecked, and then are
+marked unchecked. Results: benchmarks/results/flashbob_<device>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -32,57 +49,87 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+KERNEL_SOURCES = {"cpu": REPO / "ds_ttt/ops/flashbob/csrc/flashbob_cpu.cpp",
+                  "cuda": REPO / "ds_ttt/ops/flashbob/csrc/flashbob_cuda_kernel.cu"}
+OUTPUTS_STEP = ("o", "dq", "dk", "dv", "qbar", "kbar", "vbar")
+OUTPUTS_FWD_BWD = ("o", "dq", "dk", "dv")
+CHECK_FACTOR = 8.0  # allowed error = CHECK_FACTOR x the fp32 reference's own error + floor
+CHECK_FLOOR_ULPS = 8  # floor: this many fp32 (bf16 on CUDA) ulps of the output's largest value
+MATMUL_N = {"cpu": 2048, "cuda": 8192}
+SEED = 0
 
 
-# ----------------------------------------------------------------------------- worker (child)
+def _flops(N, Hq, D, part):
+    per_head = {"step": 4 + 10 + 36, "fwd_bwd": 4 + 10}[part] * N * N * D / 2  # causal
+    return per_head * Hq
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else "missing"
+
+
+def _fingerprint(tensors) -> str:
+    """SHA-256 of the outputs' bytes: equal fingerprints, bit-identical results."""
+    import torch
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- worker (child)
+def _inputs(device, dtype, N, Hq, Hkv, D, layout):
+    """Seeded inputs, generated in float32 on the CPU (identical for every impl), then moved.
+    layout "bhnd" (ours, math) or "bnhd" (flash_attn)."""
+    import torch
+    g = torch.Generator().manual_seed(SEED)
+    shapes = dict(q=(1, Hq, N, D), k=(1, Hkv, N, D), v=(1, Hkv, N, D), do=(1, Hq, N, D),
+                  uq=(1, Hq, N, D), uk=(1, Hkv, N, D), uv=(1, Hkv, N, D))
+    out = {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
+    if layout == "bnhd":
+        out = {n: t.transpose(1, 2).contiguous() for n, t in out.items()}
+    return {n: t.to(device=device, dtype=dtype) for n, t in out.items()}
 
 
 def _worker(spec: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(REPO))
     from ds_ttt.ops.flashbob import attention
 
     device, impl = spec["device"], spec["impl"]
     N, Hq, Hkv, D = spec["N"], spec["Hq"], spec["Hkv"], spec["D"]
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    torch.manual_seed(0)
-    if impl == "cpu":
-        from ds_ttt.ops.flashbob.builder import load_cpu_op
-        load_cpu_op()
+    if impl in ("cpu", "cuda"):
+        from ds_ttt.ops.flashbob.builder import load_cpu_op, load_cuda_op
+        (load_cpu_op if impl == "cpu" else load_cuda_op)()
+    source_sha = _sha256(KERNEL_SOURCES[impl]) if impl in KERNEL_SOURCES else None
+    x = _inputs(device, dtype, N, Hq, Hkv, D, "bnhd" if impl == "flash_attn" else "bhnd")
     base_mb = _rss_mb()
 
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def rand(*shape, grad=False):
-        return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
-
+    q, k, v = (x[n].requires_grad_(True) for n in ("q", "k", "v"))
     if impl == "flash_attn":
         from flash_attn import flash_attn_func
-        q, k, v = rand(1, N, Hq, D, grad=True), rand(1, N, Hkv, D, grad=True), \
-            rand(1, N, Hkv, D, grad=True)
-        do = rand(1, N, Hq, D)
 
         def step():
             o = flash_attn_func(q, k, v, causal=True)
-            torch.autograd.grad(o, (q, k, v), do)
+            return (o.detach(),) + torch.autograd.grad(o, (q, k, v), x["do"]), None
     else:
-        q, k, v = rand(1, Hq, N, D, grad=True), rand(1, Hkv, N, D, grad=True), \
-            rand(1, Hkv, N, D, grad=True)
-        do, uq, uk, uv = rand(1, Hq, N, D), rand(1, Hq, N, D), rand(1, Hkv, N, D), \
-            rand(1, Hkv, N, D)
-
         def fwd():
             if impl == "math":
                 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -93,100 +140,223 @@ def _worker(spec: dict) -> dict:
 
         def step():
             o = fwd()
-            dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-            phi = (dq * uq).sum() + (dk * uk).sum() + (dv * uv).sum()
+            dq, dk, dv = torch.autograd.grad(o, (q, k, v), x["do"], create_graph=True)
+            phi = (dq * x["uq"]).sum() + (dk * x["uk"]).sum() + (dv * x["uv"]).sum()
             sync()
             t0 = time.perf_counter()
-            torch.autograd.grad(phi, (q, k, v))  # the backward-over-backward part alone
+            bars = torch.autograd.grad(phi, (q, k, v))  # the backward-over-backward part alone
             sync()
-            return time.perf_counter() - t0
+            t_bob = time.perf_counter() - t0
+            return (o.detach(), dq.detach(), dk.detach(), dv.detach()) + bars, t_bob
 
-    times, bob_times = [], []
+    names = OUTPUTS_FWD_BWD if impl == "flash_attn" else OUTPUTS_STEP
+    times, cpu_times, bob_times, prints, saved = [], [], [], [], []
     try:
         for r in range(spec["warmup"] + spec["repeats"]):
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             sync()
-            t0 = time.perf_counter()
-            t_bob = step()
+            c0, t0 = time.process_time(), time.perf_counter()
+            outs, t_bob = step()
             sync()
-            if r >= spec["warmup"]:
-                times.append(time.perf_counter() - t0)
-                if t_bob is not None:
-                    bob_times.append(t_bob)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if r < spec["warmup"]:
+                continue
+            times.append(wall)
+            cpu_times.append(cpu)
+            if t_bob is not None:
+                bob_times.append(t_bob)
+            fp = _fingerprint(outs)
+            prints.append(fp)
+            kept = next((s for s in saved if s["fingerprint"] == fp), None)
+            if kept is None and spec.get("save_dir"):  # a result not seen yet: keep it for the check
+                path = Path(spec["save_dir"]) / f"outputs_{len(saved)}.pt"
+                torch.save({n: t.detach().cpu() for n, t in zip(names, outs)}, path)
+                kept = dict(path=str(path), fingerprint=fp, repeats=[])
+                saved.append(kept)
+            if kept is not None:
+                kept["repeats"].append(len(times) - 1)
+            del outs
     except (RuntimeError, MemoryError) as e:  # allocation failure under the memory limit
         return dict(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
-    out = dict(ok=True, times_s=times, median_s=statistics.median(times),
+    out = dict(ok=True, times_s=times, cpu_s=cpu_times, median_s=statistics.median(times),
+               min_s=min(times), max_s=max(times),
                bob_median_s=statistics.median(bob_times) if bob_times else None,
-               base_rss_mb=base_mb, peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+               fingerprints=prints, saved=saved, source_sha=source_sha,
+               threads=torch.get_num_threads(), base_rss_mb=base_mb,
+               peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out["peak_increase_mb"] = out["peak_rss_mb"] - base_mb
     if device == "cuda":
         out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out
 
 
-# ----------------------------------------------------------------------------- driver (parent)
-def _flops(N, Hq, D, part):
-    per_head = {"step": 4 + 10 + 36, "fwd_bwd": 4 + 10}[part] * N * N * D / 2  # causal
-    return per_head * Hq
-
-
-def _matmul_gflops(device: str) -> float:
+# ----------------------------------------------------------------------------- checker (child)
+def _reference_one_head(x, h, G, dtype):
+    """Outputs of query head h (and its contributions to K, V's gradients) from the spec."""
     import torch
-    n = 2048 if device == "cpu" else 8192
-    dtype = torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
+
+    from ds_ttt.ops.flashbob.reference import attention_reference
+    kv = h // G
+    q = x["q"][:, h:h + 1].to(dtype).requires_grad_(True)
+    k = x["k"][:, kv:kv + 1].to(dtype).requires_grad_(True)
+    v = x["v"][:, kv:kv + 1].to(dtype).requires_grad_(True)
+    o = attention_reference(q, k, v, causal=True)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), x["do"][:, h:h + 1].to(dtype), create_graph=True)
+    phi = (dq * x["uq"][:, h:h + 1].to(dtype)).sum() + (dk * x["uk"][:, kv:kv + 1].to(dtype)).sum() \
+        + (dv * x["uv"][:, kv:kv + 1].to(dtype)).sum()
+    qb, kb, vb = torch.autograd.grad(phi, (q, k, v))
+    return {n: t.detach() for n, t in dict(o=o, dq=dq, dk=dk, dv=dv, qbar=qb, kbar=kb,
+                                           vbar=vb).items()}
+
+
+def _reference(x, Hq, Hkv, dtype, heads=None):
+    """Full reference outputs (per-head contributions to dK, dV, K̄, V̄ summed over the group)."""
+    import torch
+    G = Hq // Hkv
+    out = {n: torch.zeros_like(x[{"o": "q", "dq": "q", "qbar": "q"}.get(n, "k")], dtype=dtype)
+           for n in OUTPUTS_STEP}
+    for h in (range(Hq) if heads is None else heads):
+        r = _reference_one_head(x, h, G, dtype)
+        kv = h // G
+        for n in ("o", "dq", "qbar"):
+            out[n][:, h:h + 1] = r[n]
+        for n in ("dk", "dv", "kbar", "vbar"):
+            out[n][:, kv:kv + 1] += r[n]
+    return out
+
+
+def _checker(spec: dict) -> dict:
+    """Compare every saved result of one shape (spec["saved"]: impl -> saved outputs) with the
+    float64 reference; the reference is computed once for all implementations."""
+    import torch
+    torch.set_num_threads(spec["threads"])
+    N, Hq, Hkv, D = spec["N"], spec["Hq"], spec["Hkv"], spec["D"]
+    x = _inputs("cpu", torch.float32, N, Hq, Hkv, D, "bhnd")  # what the worker used, in float32
+    if spec["device"] == "cuda":  # the worker rounded its inputs to bf16: check against those
+        x = {n: t.to(torch.bfloat16).float() for n, t in x.items()}
+    G = Hq // Hkv
+    low = torch.float32 if spec["device"] == "cpu" else torch.bfloat16
+    ref64 = _reference(x, Hq, Hkv, torch.float64)
+    # the reference's own error at the kernel's precision, on the first KV group (heads 0..G-1)
+    ref_low = _reference(x, Hq, Hkv, low, heads=range(G))
+    q_heads, kv_heads = slice(0, G), slice(0, 1)
+    out = {}
+    for impl, saved in spec["saved"].items():
+        results = []
+        for s in saved:
+            got = torch.load(s["path"])
+            errs = {}
+            for n, t in got.items():
+                t = t.double()
+                if impl == "flash_attn":
+                    t = t.transpose(1, 2)
+                want = ref64[n]
+                sel = q_heads if n in ("o", "dq", "qbar") else kv_heads
+                own = (ref_low[n][:, sel].double() - want[:, sel]).abs().max().item()
+                floor = CHECK_FLOOR_ULPS * torch.finfo(low).eps * max(want.abs().max().item(), 1e-30)
+                tol = CHECK_FACTOR * own + floor
+                err = (t - want).abs().max().item() if torch.isfinite(t).all() else float("inf")
+                errs[n] = dict(err=err, tol=tol, own_err=own, ref_max=want.abs().max().item(),
+                               ok=err <= tol)
+            results.append(dict(fingerprint=s["fingerprint"], repeats=s["repeats"], errors=errs,
+                                ok=all(e["ok"] for e in errs.values())))
+        out[impl] = dict(ok=all(r["ok"] for r in results) and bool(results), results=results)
+    return out
+
+
+# ----------------------------------------------------------------------------- driver (parent)
+def _matmul_rates(device: str) -> dict:
+    """fp32 matmul: best of 5 in wall GFLOP/s, and GFLOP per process-CPU-second (CPU only)."""
+    import torch
+    n = MATMUL_N[device]
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    a @ b
+    best_wall, best_cpu = float("inf"), float("inf")
     for _ in range(5):
         if device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         a @ b
         if device == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+        best_wall = min(best_wall, time.perf_counter() - t0)
+        best_cpu = min(best_cpu, time.process_time() - c0)
+    flop = 2 * n**3
+    return dict(wall_gflops=flop / best_wall / 1e9,
+                cpu_gflops_per_cpu_s=flop / max(best_cpu, 1e-9) / 1e9 if device == "cpu" else None,
+                loadavg=os.getloadavg()[0])
 
 
-def _run_case(spec: dict, mem_limit_gb: float) -> dict:
-    env = dict(os.environ)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+def _child(mode: str, spec: dict, mem_limit_gb: float | None) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), f"--{mode}", json.dumps(spec)]
 
     def limit():  # a hard address-space cap so an over-large math case fails instead of OOM-killing
         cap = int(mem_limit_gb * 2**30) + 6 * 2**30  # + virtual-address overhead of torch/OpenMP
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                       preexec_fn=limit if spec["device"] == "cpu" else None)
+    r = subprocess.run(cmd, capture_output=True, text=True,
+                       preexec_fn=limit if mem_limit_gb and spec["device"] == "cpu" else None)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
-        return dict(ok=False, error=f"exit {r.returncode}: {r.stderr.strip()[-300:]}")
+        return dict(ok=False, error=f"{mode} exit {r.returncode}: {r.stderr.strip()[-300:]}")
     return json.loads(lines[-1])
+
+
+def _judge(row: dict, peak: dict, device: str) -> list[str]:
+    """The honesty rules: the reasons this row is an error (empty when it is a result)."""
+    errors = []
+    if not row.get("unchecked") and not row.get("check", {}).get("ok"):
+        bad = [f"{n} err {e['err']:.2e} > tol {e['tol']:.2e}"
+               for r in row.get("check", {}).get("results", []) for n, e in r["errors"].items()
+               if not e["ok"]]
+        errors.append("check against the reference failed: " +
+                      ("; ".join(bad[:4]) or row.get("check", {}).get("error", "no result")))
+    if row["gflops"] > peak["wall_gflops"]:
+        errors.append(f"{row['gflops']:.1f} GFLOP/s is above the run's measured fp32 matmul peak "
+                      f"{peak['wall_gflops']:.1f}")
+    if device == "cpu":
+        per_cpu_s = row["flop"] / statistics.median(row["cpu_s"]) / 1e9
+        row["gflops_per_cpu_s"] = per_cpu_s
+        if per_cpu_s > peak["cpu_gflops_per_cpu_s"]:
+            errors.append(f"{per_cpu_s:.1f} GFLOP per CPU-second is above the matmul's "
+                          f"{peak['cpu_gflops_per_cpu_s']:.1f}")
+        over = [c / w for c, w in zip(row["cpu_s"], row["times_s"]) if c > 1.05 * w * row["threads"]]
+        if over:
+            errors.append(f"CPU time {max(over):.2f}x wall time exceeds the {row['threads']} threads")
+    return errors
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768")
+    ap.add_argument("--seqlens", default="1024,2048,4096")
     ap.add_argument("--configs", default="8/8,8/2", help="Hq/Hkv pairs")
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="timed steps (1 for N >= 16K on cpu)")
-    ap.add_argument("--mem-limit-gb", type=float, default=18.0)
-    ap.add_argument("--time-budget-s", type=float, default=3600.0)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per case")
+    ap.add_argument("--math-max-n", type=int, default=4096)
+    ap.add_argument("--check-max-n", type=int, default=4096,
+                    help="largest N checked against the float64 reference (O(N²) per head)")
+    ap.add_argument("--allow-unchecked", action="store_true",
+                    help="also time N above --check-max-n (rows marked unchecked)")
+    ap.add_argument("--mem-limit-gb", type=float, default=12.0)
     ap.add_argument("--impls", default=None, help="default: cpu,math (cpu) / cuda,flash_attn")
     ap.add_argument("--out", default=None, help="output stem (default results/flashbob_<device>)")
     ap.add_argument("--render", default=None, help="only rewrite the .md next to this .json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--checker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))), flush=True)
-        return
+    if args.worker or args.checker:
+        fn, spec = (_worker, args.worker) if args.worker else (_checker, args.checker)
+        print(json.dumps(fn(json.loads(spec))), flush=True)
+        return 0
     if args.render:
         data = json.loads(Path(args.render).read_text())
-        impls = list(dict.fromkeys(r["impl"] for r in data["rows"]))
-        Path(args.render).with_suffix(".md").write_text(_markdown(data["meta"], data["rows"], impls))
-        return
+        Path(args.render).with_suffix(".md").write_text(_markdown(data["meta"], data["rows"],
+                                                                  data["meta"]["impls"]))
+        return 0
 
     import torch
     impls = (args.impls or ("cpu,math" if args.device == "cpu" else "cuda,flash_attn")).split(",")
@@ -194,106 +364,185 @@ def main():
     stem.parent.mkdir(parents=True, exist_ok=True)
     seqlens = [int(x) for x in args.seqlens.split(",")]
     configs = [tuple(int(y) for y in c.split("/")) for c in args.configs.split(",")]
-    meta = dict(device=args.device, torch=torch.__version__, threads=torch.get_num_threads(),
+    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
+                            *[str(p) for p in KERNEL_SOURCES.values()]],
+                           capture_output=True, text=True).stdout.strip()
+    meta = dict(device=args.device, impls=impls, torch=torch.__version__,
+                threads=torch.get_num_threads(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
                 cpu=platform.processor() or platform.machine(), nproc=os.cpu_count(),
-                loadavg_start=os.getloadavg(), date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                matmul_fp32_gflops=round(_matmul_gflops(args.device), 1), D=args.head_dim,
-                mem_limit_gb=args.mem_limit_gb, command=" ".join(sys.argv))
+                affinity=len(os.sched_getaffinity(0)), git=git,
+                kernel_sources_dirty=bool(dirty), date=time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                     time.gmtime()),
+                D=args.head_dim, warmup=args.warmup, repeats=args.repeats,
+                mem_limit_gb=args.mem_limit_gb, check_factor=CHECK_FACTOR,
+                check_floor_ulps=CHECK_FLOOR_ULPS, command=" ".join(sys.argv))
     if args.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
     print(f"[flashbob bench] {meta}", flush=True)
+    matmul = []
     rows, t_start = [], time.time()
     for Hq, Hkv in configs:
-        skip_reason = {}
-        prev_increase = {}
+        skip_reason, prev_increase = {}, {}
         for N in seqlens:
-            for impl in impls:
-                row = dict(impl=impl, N=N, Hq=Hq, Hkv=Hkv, D=args.head_dim)
-                if impl in skip_reason:
-                    row.update(ok=False, skipped=skip_reason[impl])
-                elif time.time() - t_start > args.time_budget_s:
-                    row.update(ok=False, skipped=f"time budget {args.time_budget_s:.0f} s spent")
-                elif impl == "math" and impl in prev_increase and \
-                        4 * prev_increase[impl] / 1024 > args.mem_limit_gb:
-                    reason = (f"predicted peak {4 * prev_increase[impl] / 1024:.1f} GB "
-                              f"(4x N/2's) > limit {args.mem_limit_gb} GB")
-                    skip_reason[impl] = reason
-                    row.update(ok=False, skipped=reason)
-                else:
-                    big = args.device == "cpu" and N >= 16384
-                    spec = dict(device=args.device, impl=impl, N=N, Hq=Hq, Hkv=Hkv,
-                                D=args.head_dim, warmup=0 if big else 1,
-                                repeats=1 if big else args.repeats)
-                    res = _run_case(spec, args.mem_limit_gb)
-                    row.update(res)
-                    if res.get("ok"):
-                        part = "fwd_bwd" if impl == "flash_attn" else "step"
-                        row["gflops"] = _flops(N, Hq, args.head_dim, part) / res["median_s"] / 1e9
-                        prev_increase[impl] = res["peak_increase_mb"]
+            unchecked = N > args.check_max_n
+            shape_rows = []
+            with tempfile.TemporaryDirectory(prefix="flashbob_bench_") as tmp:
+                for impl in impls:
+                    row = dict(impl=impl, N=N, Hq=Hq, Hkv=Hkv, D=args.head_dim,
+                               unchecked=unchecked)
+                    shape_rows.append(row)
+                    if impl in skip_reason:
+                        row.update(ok=False, skipped=skip_reason[impl])
+                    elif unchecked and not args.allow_unchecked:
+                        row.update(ok=False, skipped=f"N > --check-max-n {args.check_max_n} (no "
+                                                     "reference check possible; --allow-unchecked)")
+                    elif impl == "math" and N > args.math_max_n:
+                        row.update(ok=False, skipped=f"N > --math-max-n {args.math_max_n}")
+                    elif impl == "math" and impl in prev_increase and \
+                            4 * prev_increase[impl] / 1024 > args.mem_limit_gb:
+                        reason = (f"predicted peak {4 * prev_increase[impl] / 1024:.1f} GB "
+                                  f"(4x N/2's) > limit {args.mem_limit_gb} GB")
+                        skip_reason[impl] = reason
+                        row.update(ok=False, skipped=reason)
                     else:
-                        skip_reason[impl] = f"failed at N={N}: {res.get('error', '')[:120]}"
-                rows.append(row)
-                print(f"[flashbob bench] {json.dumps(row)}", flush=True)
-                stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    meta["loadavg_end"] = os.getloadavg()
-    meta["wall_s"] = round(time.time() - t_start, 1)
+                        matmul.append(_matmul_rates(args.device))
+                        save_dir = None if unchecked else str(Path(tmp) / impl)
+                        if save_dir:
+                            Path(save_dir).mkdir()
+                        spec = dict(device=args.device, impl=impl, N=N, Hq=Hq, Hkv=Hkv,
+                                    D=args.head_dim, warmup=args.warmup, repeats=args.repeats,
+                                    save_dir=save_dir)
+                        res = _child("worker", spec, args.mem_limit_gb)
+                        row.update(res)
+                        if res.get("ok"):
+                            part = "fwd_bwd" if impl == "flash_attn" else "step"
+                            row["flop"] = _flops(N, Hq, args.head_dim, part)
+                            row["gflops"] = row["flop"] / res["median_s"] / 1e9
+                            prev_increase[impl] = res["peak_increase_mb"]
+                        else:
+                            skip_reason[impl] = f"failed at N={N}: {res.get('error', '')[:120]}"
+                    print(f"[flashbob bench] {json.dumps(row)}", flush=True)
+                to_check = {r["impl"]: r["saved"] for r in shape_rows
+                            if r.get("ok") and not unchecked}
+                if to_check:
+                    spec = dict(device=args.device, N=N, Hq=Hq, Hkv=Hkv, D=args.head_dim,
+                                threads=torch.get_num_threads(), saved=to_check)
+                    checked = _child("checker", spec, None)
+                    for r in shape_rows:
+                        if r["impl"] in to_check:
+                            r["check"] = checked.get(r["impl"], dict(ok=False, error=checked.get(
+                                "error", "checker returned nothing")))
+                            print(f"[flashbob bench] check {r['impl']} N={N} {Hq}/{Hkv}: "
+                                  f"ok={r['check'].get('ok')}", flush=True)
+            rows += shape_rows
+            stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    matmul.append(_matmul_rates(args.device))
+    peak = dict(wall_gflops=max(m["wall_gflops"] for m in matmul),
+                cpu_gflops_per_cpu_s=max((m["cpu_gflops_per_cpu_s"] or 0) for m in matmul) or None)
+    n_errors = 0
+    for row in rows:
+        if row.get("ok"):
+            row["errors"] = _judge(row, peak, args.device)
+            n_errors += bool(row["errors"])
+    shas = {r.get("source_sha") for r in rows if r.get("source_sha")}
+    meta.update(matmul=matmul, peak=peak, loadavg_end=os.getloadavg(), wall_s=round(time.time() - t_start, 1),
+                kernel_source_shas=sorted(shas), n_errors=n_errors)
+    if len(shas) > 1:
+        meta["error"] = "the kernel source changed during the run"
+        n_errors += 1
     stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     stem.with_suffix(".md").write_text(_markdown(meta, rows, impls))
     print(stem.with_suffix(".md").read_text())
+    if n_errors:
+        print(f"[flashbob bench] {n_errors} ERROR(S): see the table", file=sys.stderr)
+    return 1 if n_errors else 0
 
 
 def _markdown(meta, rows, impls) -> str:
-    mem_key = "peak_cuda_mb" if meta["device"] == "cuda" else "peak_rss_mb"
+    cpu = meta["device"] == "cpu"
+    mem_key = "peak_cuda_mb" if not cpu else "peak_rss_mb"
+    peak = meta.get("peak", {})
+    mm = meta.get("matmul", [])
     lines = [f"# FlashBoB second-order attention step ({meta['device']})", "",
-             f"{meta['date']}; torch {meta['torch']}, {meta['threads']} threads, "
-             f"{meta.get('gpu', meta['cpu'])}; D={meta['D']}, B=1, causal. "
-             f"Measured fp32 matmul: **{meta['matmul_fp32_gflops']} GFLOP/s**. "
-             f"Load average at start/end: {meta['loadavg_start'][0]:.1f} / "
-             f"{meta.get('loadavg_end', [float('nan')])[0]:.1f} (the machine is shared).", "",
+             f"{meta['date']}; git {meta.get('git')}; torch {meta['torch']}, "
+             f"{meta['threads']} torch threads (OMP_NUM_THREADS={meta.get('omp_num_threads')}), "
+             f"{meta.get('gpu', meta['cpu'])}, {meta.get('affinity', meta['nproc'])} CPUs; "
+             f"D={meta['D']}, B=1, causal; {meta.get('warmup')} warm-up + {meta.get('repeats')} "
+             "timed steps per case.", "",
+             f"fp32 matmul measured {len(mm)} times in this run (before each case and at the end): "
+             f"wall {min((m['wall_gflops'] for m in mm), default=float('nan')):.1f}–"
+             f"**{peak.get('wall_gflops', float('nan')):.1f} GFLOP/s** (peak = max)"
+             + (f", **{peak['cpu_gflops_per_cpu_s']:.1f} GFLOP per CPU-second**"
+                if peak.get("cpu_gflops_per_cpu_s") else "") +
+             f". Load average during the run: {min((m['loadavg'] for m in mm), default=0):.1f}–"
+             f"{max((m['loadavg'] for m in mm), default=0):.1f} (the machine is shared; wall "
+             "times scale with it, CPU-seconds much less).", "",
              f"Command: `{meta['command']}`", "",
              "Step = forward + first grad (create_graph) + grad of Σ<U,dX> (flash_attn: fwd+bwd). "
-             "Memory: peak RSS of the case's own process (increase over post-import RSS in "
-             "parentheses)" + (" / CUDA max allocated" if meta["device"] == "cuda" else "") + ".", ""]
-    extra = " BoB alone (s) | BoB / flash_attn fwd+bwd |" if meta["device"] == "cuda" else ""
-    hdr = "| Hq/Hkv | N | " + " | ".join(f"{i} time (s) | {i} peak MB | {i} GFLOP/s"
-                                         for i in impls) + " |" + extra + " speedup | memory ratio |"
-    lines += [hdr, "|" + "---|" * (2 + 3 * len(impls) + 2 + (2 if extra else 0))]
+             "Time: median of the timed steps (min–max). Check: largest error of any output "
+             "against the float64 reference, as a fraction of its tolerance (≤ 1 passes; every "
+             "distinct result of the timed steps is checked). Memory: peak RSS of the case's own "
+             "process (increase over post-import RSS in parentheses)"
+             + (" / CUDA max allocated" if not cpu else "") + ".", ""]
+    per_cpu = " | GFLOP/CPU-s" if cpu else ""
+    hdr = "| Hq/Hkv | N | impl | time (s) | GFLOP/s" + per_cpu + " | check (err/tol) | peak MB | status |"
+    lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
     keyed = {(r["impl"], r["Hq"], r["Hkv"], r["N"]): r for r in rows}
-    for Hq, Hkv, N in sorted({(r["Hq"], r["Hkv"], r["N"]) for r in rows}, key=lambda x: (-x[1], x[2])):
-        cells = [f"{Hq}/{Hkv}", str(N)]
-        got = {}
+    for Hq, Hkv, N in sorted({(r["Hq"], r["Hkv"], r["N"]) for r in rows},
+                             key=lambda x: (-x[1], x[2])):
         for i in impls:
-            r = keyed.get((i, Hq, Hkv, N), {})
+            r = keyed.get((i, Hq, Hkv, N))
+            if r is None:
+                continue
+            cells = [f"{Hq}/{Hkv}", str(N), i]
             if r.get("ok"):
-                got[i] = r
                 mem = r.get(mem_key, r.get("peak_rss_mb"))
-                inc = f" ({r['peak_increase_mb']:.0f})" if meta["device"] == "cpu" else ""
-                cells += [f"{r['median_s']:.3f}", f"{mem:.0f}{inc}", f"{r['gflops']:.1f}"]
+                inc = f" ({r['peak_increase_mb']:.0f})" if cpu else ""
+                if r.get("unchecked"):
+                    chk = "unchecked"
+                elif r.get("check", {}).get("results"):
+                    worst = max(e["err"] / max(e["tol"], 1e-300) for res in r["check"]["results"]
+                                for e in res["errors"].values())
+                    chk = f"{worst:.2g} ({len(r['check']['results'])} distinct)"
+                else:
+                    chk = "check failed to run: " + str(r.get("check", {}).get("error", ""))[:80]
+                cells += [f"{r['median_s']:.3f} ({r['min_s']:.3f}–{r['max_s']:.3f})",
+                          f"{r['gflops']:.1f}"]
+                if cpu:
+                    cells.append(f"{r.get('gflops_per_cpu_s', float('nan')):.1f}")
+                cells += [chk, f"{mem:.0f}{inc}",
+                          "**ERROR: " + "; ".join(r["errors"]) + "**" if r.get("errors") else "ok"]
             else:
                 why = r.get("skipped") or r.get("error", "not run")
-                cells += [f"— ({why})", "—", "—"]
-        a, b = impls[0], impls[1] if len(impls) > 1 else None
-        if meta["device"] == "cuda" and a in got:
-            cells.append(f"{got[a]['bob_median_s']:.4f}" if got[a].get("bob_median_s") else "—")
-            cells.append(f"{got[a]['bob_median_s'] / got[b]['median_s']:.2f}x"
-                         if b in got and got[a].get("bob_median_s") else "—")
-        elif meta["device"] == "cuda":
-            cells += ["—", "—"]
-        if b and a in got and b in got:
-            ma, mb = got[a].get(mem_key, 0), got[b].get(mem_key, 0)
-            if meta["device"] == "cpu":
-                ma, mb = got[a]["peak_increase_mb"], got[b]["peak_increase_mb"]
-            cells += [f"{got[b]['median_s'] / got[a]['median_s']:.2f}x",
-                      f"{ma / max(mb, 1e-9):.3f}"]
+                cells += ["—", "—"] + (["—"] if cpu else []) + ["—", "—", f"not run: {why}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Ratios measured side by side in this run (median times):", "",
+              "| Hq/Hkv | N | " + " | ".join(f"{b} / {impls[0]} time" for b in impls[1:]) +
+              " | memory " + impls[0] + " / " + (impls[1] if len(impls) > 1 else "") + " |",
+              "|" + "---|" * (3 + max(len(impls) - 1, 0))]
+    for Hq, Hkv, N in sorted({(r["Hq"], r["Hkv"], r["N"]) for r in rows}, key=lambda x: (-x[1], x[2])):
+        a = keyed.get((impls[0], Hq, Hkv, N), {})
+        cells = [f"{Hq}/{Hkv}", str(N)]
+        for b_name in impls[1:]:
+            b = keyed.get((b_name, Hq, Hkv, N), {})
+            ok = a.get("ok") and b.get("ok") and not a.get("errors") and not b.get("errors")
+            cells.append(f"{b['median_s'] / a['median_s']:.2f}x" if ok else "—")
+        b = keyed.get((impls[1], Hq, Hkv, N), {}) if len(impls) > 1 else {}
+        if a.get("ok") and b.get("ok"):
+            ka = "peak_increase_mb" if cpu else mem_key
+            cells.append(f"{a[ka] / max(b[ka], 1e-9):.3f}")
         else:
-            cells += ["—", "—"]
+            cells.append("—")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"speedup = {impls[1] if len(impls) > 1 else ''} time / {impls[0]} time; "
-              f"memory ratio = {impls[0]} / {impls[1] if len(impls) > 1 else ''} "
-              + ("peak increase over post-import RSS." if meta["device"] == "cpu" else
-                 "CUDA max allocated (for flash_attn the time ratio is BoB step / fwd+bwd).")]
+    if meta.get("notes"):  # analysis written into the .json's meta.notes (kept by --render)
+        lines += ["", meta["notes"].rstrip()]
+    if meta.get("error"):
+        lines += ["", f"**RUN ERROR: {meta['error']}** (kernel source SHA-256s: "
+                  f"{meta.get('kernel_source_shas')})"]
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

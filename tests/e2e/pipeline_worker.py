@@ -9,7 +9,8 @@ observation loss; "bug_pp4_zero0_clip" = 4 stages with clipping but without ZeRO
 trainer refuses it); "sft_pp4" = the SFT baseline (adaptive_layers=0, no inner loop, frozen stages
 0-2); "prime_pp4" / "prime_pp2dp2" = trainable_scope 'prime' (the 8B default: stages without a
 trainable parameter run no backward); "tied_pp4" = tied embeddings (TiedLayerSpec between stage 0 and
-the last stage; 4 stages, ZeRO-1, clipping: cpu_tiny's layout); "prime_pp4_bf16" = the Qwen3-8B
+the last stage; 4 stages, ZeRO-1, clipping: cpu_tiny's layout); "pp4" and "tied_pp4" load their
+backbone from an untied / tied checkpoint written by transformers' save_pretrained (HF_LOADED); "prime_pp4_bf16" = the Qwen3-8B
 recipe's engine settings (bf16, ZeRO-1, clipping 1.0, 'prime'). The optimizer is SGD with lr 1 (a client optimizer), so each parameter's update is
 exactly minus its (clipped, data-parallel averaged) gradient. The trajectories have 1 to 5 rounds with
 1 or 6 action tokens each, so the token-weighted objective differs from a mean of micro-batch means.
@@ -57,9 +58,34 @@ def backbone(tied: bool = False):
                              num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=tied)
 
 
-def make_reference(name: str) -> TTTQwen3ForCausalLM:
-    torch.manual_seed(0)
-    model = TTTQwen3ForCausalLM(backbone(layout_of(name)[6]), TTTConfig(**layout_of(name)[5]))
+# Layouts whose backbone comes from a checkpoint that transformers' Qwen3ForCausalLM.save_pretrained wrote
+# (tied: no lm_head.weight on disk): the reference loads it with load_hf_qwen3, every pipeline stage
+# with the trainer's load_hf_weights (only the prime weights, absent from the checkpoint, are copied).
+HF_LOADED = {"pp4", "tied_pp4"}
+
+
+def hf_checkpoint(root: pathlib.Path, tied: bool) -> pathlib.Path:
+    """A deterministic transformers Qwen3 checkpoint (the same weights in every process)."""
+    from transformers import Qwen3ForCausalLM
+
+    path = root / ("hf_tied" if tied else "hf_untied")
+    if not (path / "config.json").exists():
+        torch.manual_seed(11)
+        Qwen3ForCausalLM(backbone(tied)).save_pretrained(path)
+    return path
+
+
+def make_reference(name: str, hf_root: pathlib.Path | None = None) -> TTTQwen3ForCausalLM:
+    """The single-process model of a layout (from its HF checkpoint under `hf_root` for HF_LOADED)."""
+    ttt = TTTConfig(**layout_of(name)[5])
+    if name in HF_LOADED:
+        from ds_ttt.model.hf_adapter import load_hf_qwen3
+        path = hf_checkpoint(hf_root, layout_of(name)[6])  # (writing it first draws random numbers)
+        torch.manual_seed(0)
+        model = load_hf_qwen3(path, ttt)
+    else:
+        torch.manual_seed(0)
+        model = TTTQwen3ForCausalLM(backbone(layout_of(name)[6]), ttt)
     with torch.no_grad():  # non-zero prime down projections: the inner updates change the outer loss
         for layer in model.adaptive_layers:
             layer.prime_mlp.down_proj.weight.normal_(0, 0.05)
@@ -94,17 +120,21 @@ def run_layout(name: str, out: pathlib.Path) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from ds_ttt.train.engine import set_step_objective
+    from ds_ttt.train.engine import load_hf_weights, set_step_objective
     from ds_ttt.train.pipeline import TTTPipelineModule
 
     stages, zero, clip, micro, gas, _, tied = layout_of(name)
-    ref = make_reference(name)
+    ref = make_reference(name, out)
     layout = resolve_layout(stages, 8, ref.ttt, tied_embeddings=tied)
     module = TTTPipelineModule(ref.config, ref.ttt, layout, seed=0)
     full = ref.state_dict()  # a tied model lists the shared matrix under both names
+    named = list(module.local_hf_named_parameters())
+    if name in HF_LOADED:  # the trainer's per-stage --model loading
+        load_hf_weights({hf: p for _, _, hf, p in named}, hf_checkpoint(out, tied), ref.config)
     with torch.no_grad():
-        for _, local, hf, p in module.local_hf_named_parameters():
-            p.copy_(full[hf])
+        for _, local, hf, p in named:
+            if name not in HF_LOADED or ".prime_" in hf:
+                p.copy_(full[hf])
     params = [p for p in module.parameters() if p.requires_grad]
     ds = {"train_batch_size": micro * gas * (4 // stages), "train_micro_batch_size_per_gpu": micro,
           "gradient_accumulation_steps": gas, "pipeline": {"stages": stages, "activation_checkpoint_interval": 1,
@@ -134,6 +164,10 @@ def main() -> None:
     out = pathlib.Path(sys.argv[1])
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
+    if torch.distributed.get_rank() == 0:
+        for tied in (False, True):
+            hf_checkpoint(out, tied)
+    torch.distributed.barrier()
     for name in [*LAYOUTS, *BF16_LAYOUTS]:
         run_layout(name, out)
     torch.distributed.destroy_process_group()

@@ -8,6 +8,8 @@ observation tokens): loss and gradients, for
   - the SFT baseline (adaptive_layers=0) on 4 stages;
   - trainable_scope 'prime' (frozen stages send gradient-free boundaries) on 4 stages and on 2 x 2 dp;
   - tied embeddings (TiedLayerSpec) on 4 stages with ZeRO-1 clipping (cpu_tiny's engine layout);
+    it and the 4 x 1 layout load their backbone from tied / untied checkpoints that transformers'
+    Qwen3ForCausalLM.save_pretrained wrote (the trainer's per-stage --model loading);
   - the Qwen3-8B recipe's engine settings (bf16, ZeRO-1, clipping, 'prime') on 4 stages, within the
     single-process bf16 reference's own error of the fp32 loss, its update along the fp32 gradient.
 The trajectories differ 30-fold in action tokens, so a mean of micro-batch means fails these tests.
@@ -22,6 +24,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -32,6 +35,7 @@ worker = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(worker)
 
 pytestmark = pytest.mark.slow
+HF_ROOT = pathlib.Path(tempfile.mkdtemp(prefix="pipe_hf_"))  # the reference's copies of the HF checkpoints
 
 
 def free_port() -> int:
@@ -63,7 +67,7 @@ def reference(name: str, token_weighted: bool = True, dtype: torch.dtype = torch
     weighted loss uses the event loop's own sums and counts; `token_weighted=False` is the old
     objective (the mean of the micro-batch means), to check the data tells the two apart."""
     stages, _, clip, micro, gas, ttt, _ = worker.layout_of(name)
-    model = worker.make_reference(name).to_dtype(dtype)
+    model = worker.make_reference(name, HF_ROOT).to_dtype(dtype)
     data = worker.batches(stages, micro, gas)
     from ds_ttt.train.data_loader import collate
     outs = [model.trajectory_loss(*collate(rows, bucket=data.bucket, capacity=data.capacity))

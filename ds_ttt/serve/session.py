@@ -21,7 +21,9 @@ Exactly the training computation (ds_ttt/model/event_loop.py), incrementally:
     W_r = W_{r-1} - lr * clip(grad L_obs). The backbone is frozen; W lives in this session only
     (`update=False`: a frozen session, W_0 throughout).
 Generation is greedy (temperature 0) or sampled (temperature, top-p, seeded) until `<|im_end|>`,
-one token per step into the preallocated cache (no re-concatenation per token).
+one token per step into the preallocated cache (no re-concatenation per token); a one-token step sees
+its whole cache slice, so it needs no mask and uses PyTorch's fused SDPA (one query: O(S) memory with
+any kernel), while every multi-token chunk runs the configured FlashBoB backend.
 `act(force=message)` feeds a given action instead (replay / teacher forcing) and records its NLL.
 `fork()` copies a session (W, cache, history) so a caller can try a sequence of operations and keep
 the copy only if all of them succeed.
@@ -256,6 +258,10 @@ class AgentSession:
         window = m.policy.window if m.policy.kind == "window" else 0
         backend = m.ttt.attention_backend
         new_kv = [] if keep_graph else None
+        # One new token without a graph (a decode step) sees every slot of its slice, so no mask is
+        # needed and PyTorch's fused SDPA computes it (one query: O(S) memory whatever the kernel); every
+        # chunk of several tokens (prefill, a forced action, the inner step) uses the FlashBoB backend.
+        decode_step = n == 1 and not keep_graph
         it = iter(weights or ())
         for i, layer in enumerate(m.model.layers):
             def attend(q, k, v, i=i):
@@ -266,11 +272,14 @@ class AgentSession:
                 else:
                     cache.write(i, slot, k, v)
                     k_all, v_all = cache.view(i, lo, slot + n)
+                if decode_step:
+                    return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=True)
                 return attention(q, k_all, v_all, causal=True, window=window, q_offset=slot - lo, k_offset=0,
                                  backend=backend)
             w = (next(it), next(it), next(it)) if layer.is_adaptive and weights else None
             h, _ = layer(h, pos_emb, attend, w)
-        logits = m.lm_head(m.model.norm(h[0, torch.tensor(want, dtype=torch.long, device=dev)]))
+        rows = h[0, -1:] if want == [n - 1] else h[0, torch.tensor(want, dtype=torch.long, device=dev)]
+        logits = m.lm_head(m.model.norm(rows))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return logits, new_kv
 
@@ -319,10 +328,11 @@ class AgentSession:
         return {"round": 0, "num_tokens": n}
 
     def act(self, *, force: dict | str | None = None, max_new_tokens: int | None = None,
-            temperature: float | None = None, top_p: float | None = None) -> dict:
+            temperature: float | None = None, top_p: float | None = None, on_token=None) -> dict:
         """The next assistant message (parsed: reasoning_content, content, tool_calls, invalid_tool_calls).
 
-        force: an assistant message (or its raw generated text) to feed instead of generating."""
+        force: an assistant message (or its raw generated text) to feed instead of generating.
+        on_token: called with each generated token id as soon as it is chosen (streaming, latency)."""
         s = self._state()
         ag = self.agent
         temperature = self.temperature if temperature is None else temperature
@@ -349,7 +359,7 @@ class AgentSession:
                                                        reduction="none").tolist()
             else:
                 action, log.truncated, log.action_token_nll = self._generate(
-                    s, start, slot0, w, max_new_tokens or self.max_new_tokens, temperature, top_p)
+                    s, start, slot0, w, max_new_tokens or self.max_new_tokens, temperature, top_p, on_token)
         text = self.tokenizer.decode(action, skip_special_tokens=False)
         message = parse_assistant_message(text)
         if log.truncated:
@@ -366,7 +376,8 @@ class AgentSession:
         s.history.append(log)
         return message
 
-    def _generate(self, s: _State, start: int, slot0: int, w, max_new_tokens: int, temperature: float, top_p: float):
+    def _generate(self, s: _State, start: int, slot0: int, w, max_new_tokens: int, temperature: float, top_p: float,
+                  on_token=None):
         """Decode one action: the generation prompt in one chunk, then one token per step into the
         preallocated cache, until a stop token or the budget; closes the turn (`<|im_end|>`, `\n`) in
         the cache. Returns (action ids ending in <|im_end|>, truncated, NLL of each generated token)."""
@@ -380,6 +391,8 @@ class AgentSession:
         while True:
             logits_V = logits[-1]
             tok = self._choose(logits_V, temperature, top_p)
+            if on_token is not None:
+                on_token(tok)
             nll.append(float(torch.logsumexp(logits_V, -1) - logits_V[tok]))
             action.append(tok)
             if tok in ag.stop_ids or len(action) >= budget:

@@ -91,6 +91,9 @@ def test_fresh_run_logs_and_schedule(runs):
                     "peak_mem_gb", "lr", "inner_lr"):
             assert key in r, key
         assert r["inner_updates"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_gb"] > 0
+        # the step loss is the token-weighted objective: without an observation term it is the action
+        # loss over the global batch (a mean of micro-batch means is not)
+        assert r["loss"] == pytest.approx(r["action_loss"], rel=1e-6)
     peak = DS["optimizer"]["params"]["lr"]
     assert first[0]["lr"] == 0.0  # warmup from 0
     assert first[-1]["lr"] == pytest.approx(peak * RUN["min_lr_ratio"])  # the floor on the last planned step

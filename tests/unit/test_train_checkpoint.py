@@ -22,7 +22,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import os, pathlib, sys
-    sys.path.insert(0, {root!r})
     from ds_ttt.train import checkpoint as ck
 
     run_dir, kill_at = pathlib.Path(sys.argv[1]), sys.argv[2]

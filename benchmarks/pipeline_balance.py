@@ -1008,8 +1008,17 @@ def markdown(res: dict) -> str:
                      f"({_ms(b['min'])}..{_ms(b['max'])}) | {_ms(f['median'] + b['median'])} | "
                      f"{'yes' if r['backward_ran'] else 'no'} | {r['trainable_params']:,} |")
     L += ["", "Spec indices: 0 = embedding, 1..P = the non-adaptive decoder layers, P+1 = the last stage "
-          "(every adaptive layer, final norm, LM head, event loop).", "",
-          "## DeepSpeed TrainSchedule (1F1B) with these stage times", "",
+          "(every adaptive layer, final norm, LM head, event loop).", ""]
+    st = res["stage_times"]
+    tot = lambda r: r["fwd_s"]["median"] + r["bwd_s"]["median"]  # noqa: E731
+    if all(k in st for k in ("PP4xDP1", "PP2xDP2", "PP1xDP4")):
+        last4, last2, pp1 = tot(st["PP4xDP1"][-1]), tot(st["PP2xDP2"][-1]), tot(st["PP1xDP4"][0])
+        frozen4 = sum(tot(r) for r in st["PP4xDP1"][:-1])
+        L += [f"Plausibility: the last stage is the same modules in every layout: {_ms(last4)} ms (PP4 stage 3) vs "
+              f"{_ms(last2)} ms (PP2 stage 1), x{last2 / last4:.2f}; PP1 runs the frozen layers and the last stage in "
+              f"one stage: {_ms(pp1)} ms measured vs {_ms(frozen4 + last4)} ms for PP4's stages summed "
+              f"(x{pp1 / (frozen4 + last4):.2f}). The frozen stages together cost {frozen4 / last4:.1%} of the last stage.", ""]
+    L += ["## DeepSpeed TrainSchedule (1F1B) with these stage times", "",
           "Simulated from `TrainSchedule(...).steps()` instruction by instruction (dedicated device per rank, "
           "blocking p2p, no transfer time, no optimizer step). Utilisation = busy / step per stage.", "",
           "| layout | M | step (ms) | bubble (simulated) | bubble if stages were equal | utilisation per stage | tokens/s (dedicated) |",

@@ -75,6 +75,8 @@ LAYOUTS = ((4, 1), (2, 2), (1, 4))  # (pipeline stages, data-parallel replicas) 
 ZERO1_OPTIMIZER_BYTES = 12  # per trainable parameter: fp32 master + exp_avg + exp_avg_sq (DeepSpeedZeroOptimizer)
 ZERO1_FP32_GRAD_BYTES = 4  # per trainable parameter: the fp32 flat gradient partition built for the step
 GIB = 2**30
+USABLE_80GB = 78.0 * GIB  # an 80 GB GPU less the CUDA context and allocator slack
+USABLE_141GB = 137.8 * GIB  # the H200's 139.8 GiB (benchmarks/results/gpu/environment.json) less the same 2 GiB
 
 
 # ===================================================================================================
@@ -676,7 +678,7 @@ def qwen3_8b_estimate(gpu_dir: pathlib.Path = GPU_RESULTS, *, global_batch: int 
     grad_bytes = bf16 * trainable
     opt_bytes = ZERO1_OPTIMIZER_BYTES * trainable
     fp32_grad = ZERO1_FP32_GRAD_BYTES * trainable
-    usable = {"80 GB": 78.0 * GIB, "141 GB": (env["gpu"]["memory_gib"] - 2.0) * GIB}
+    usable = {"80 GB": USABLE_80GB, "141 GB": (env["gpu"]["memory_gib"] - 2.0) * GIB}
     measured_rates = {r["n"]: r["tflops"] for r in fb["rows"]
                       if r.get("method", "").endswith("flash_fwd_bwd") and r.get("status") == "ok"}
     rows = []
@@ -1040,6 +1042,12 @@ def markdown(res: dict) -> str:
             L.append(f"| {name} | {r['stage']} | {_mib(r['weights'])} | {_mib(r['grads'])} | {_mib(r['optimizer'])} | "
                      f"{_mib(r['activation_held_per_micro'])} | {_mib(r['activation_peak_one_micro'])} | {r['in_flight']} | "
                      f"{_mib(r['total'])} |")
+    if res["device"].startswith("cuda"):  # a real-size model: which layouts fit which GPU
+        L += ["", "Busiest rank per layout: " + "; ".join(
+            f"{name} {_gib(max(r['total'] for r in rows))} GiB (fits 80 GB: "
+            f"{'yes' if max(r['total'] for r in rows) <= USABLE_80GB else 'no'}, 141 GB: "
+            f"{'yes' if max(r['total'] for r in rows) <= USABLE_141GB else 'no'})" for name, rows in res["memory"].items())
+            + f". Usable: {_gib(USABLE_80GB)} and {_gib(USABLE_141GB)} GiB."]
     tr = res.get("trainer")
     if tr:
         L += ["", "## Measured with the trainer vs predicted from the stage times", "",

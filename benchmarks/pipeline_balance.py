@@ -766,7 +766,7 @@ def recommendation(est: dict) -> list[str]:
             for r in est["rows"]:
                 if r["tokens"] != t or not r["fits"][gpu][key]:
                     continue
-                rate = min(r["by_rate"])
+                rate = min(r["by_rate"], key=float)
                 cands.append((r["by_rate"][rate]["tokens_per_s"], r))
             pp4 = {r["backend"]: r for r in est["rows"] if r["tokens"] == t and r["layout"] == "PP4xDP1"}
             if not cands:
@@ -776,7 +776,7 @@ def recommendation(est: dict) -> list[str]:
                 continue
             tps, best = max(cands, key=lambda x: x[0])
             ref = pp4[best["backend"]]
-            ref_tps = ref["by_rate"][min(ref["by_rate"])]["tokens_per_s"]
+            ref_tps = ref["by_rate"][min(ref["by_rate"], key=float)]["tokens_per_s"]
             margin = est["usable_bytes"][gpu] - best["busiest_rank_bytes"][key]
             tight = " (tight: under 10% headroom, within this estimate's error)" if margin < 0.1 * est["usable_bytes"][gpu] else ""
             lines.append(f"- {gpu}, {t // 1024}K tokens: **{best['layout']}**, attention `{best['backend']}`: "
@@ -1119,7 +1119,7 @@ def reasoning(est: dict) -> list[str]:
     at = {(r["backend"], r["layout"]): r for r in est["rows"] if r["tokens"] == t}
     backend = "cuda" if ("cuda", "PP4xDP1") in at else next(iter(at))[0]
     pp4, pp2, pp1 = (at[(backend, n)] for n in ("PP4xDP1", "PP2xDP2", "PP1xDP4"))
-    lo = min(pp4["by_rate"])
+    lo = min(pp4["by_rate"], key=float)
     u4 = pp4["by_rate"][lo]["utilisation_last"]
     frozen_share = 1 - pp4["last_stage_step_s"] * pp4["num_micro"] / pp4["by_rate"][lo]["step_s"]
     gib = lambda r: _gib(r["busiest_rank_bytes"][key])  # noqa: E731
@@ -1154,7 +1154,7 @@ def qwen3_8b_markdown(est: dict) -> list[str]:
          f"**Basis, estimated:** a frozen decoder layer's forward from FLOPs (at 8K tokens {lay['total'] / 1e12:.2f} "
          f"TFLOP: {lay['linear'] / 1e12:.2f} linear + {lay['attention'] / 1e12:.2f} causal attention) at the SDPA "
          "flash fwd+bwd rate measured on the same H200 at that length (benchmarks/results/gpu/flashbob_cuda.json: "
-         + ", ".join(f"{n // 1024}K {r:.0f}" for n, r in sorted(est["measured_flash_tflops"].items()))
+         + ", ".join(f"{n // 1024}K {r:.0f}" for n, r in sorted((int(n), r) for n, r in est["measured_flash_tflops"].items()))
          + f" TFLOP/s), and in brackets at an assumed {est['assumed_gemm_tflops']:.0f} TFLOP/s (~60% of the H200's "
          "989 TFLOP/s dense bf16). Frozen-stage backward: "
          + ("recompute + 2x forward (this tree runs it)." if est["frozen_backward"] else
@@ -1179,7 +1179,7 @@ def qwen3_8b_markdown(est: dict) -> list[str]:
          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     key = "fp32_fast_weights" if fw is not None else "recorded_inner_loop"
     for r in est["rows"]:
-        lo, hi = r["by_rate"][min(r["by_rate"])], r["by_rate"][max(r["by_rate"])]
+        lo, hi = r["by_rate"][min(r["by_rate"], key=float)], r["by_rate"][max(r["by_rate"], key=float)]
         mem = r["busiest_rank_bytes"]
         L.append(f"| {r['tokens'] // 1024}K | {r['backend']} | {r['layout']} | {r['num_micro']} | {lo['utilisation_last']:.2f} | "
                  f"{lo['step_s']:.1f} | {lo['tokens_per_s']:,.0f} ({hi['tokens_per_s']:,.0f}) | "

@@ -85,7 +85,8 @@ def stage_worker(args) -> None:
     from ds_ttt.model.presets import backbone_config
     from ds_ttt.train.data_loader import Sample, TrajectoryBatches
     from ds_ttt.train.pipeline import TTTPipelineModule
-    from ds_ttt.train.run_config import resolve_layout
+    from ds_ttt.train.engine import set_step_objective
+    from ds_ttt.train.layout import resolve_layout
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
@@ -103,9 +104,12 @@ def stage_worker(args) -> None:
                              gradient_accumulation_steps=gas, dp_rank=0, dp_size=1, seed=0, bucket=64,
                              capacity=args.context)
     it = data.iterate(0) if engine.is_first_stage() or engine.is_last_stage() else None
+    last = module.last_stage_layer()
     times = []
-    for _ in range(steps):
+    for step in range(steps):
         t0 = time.perf_counter()
+        if last is not None:  # the token-weighted objective's normalisers for this step (counted on the host)
+            set_step_objective(last, engine, data, step, ttt)
         engine.train_batch(data_iter=it)
         times.append(time.perf_counter() - t0)
     mem = torch.tensor([rss_gb()], dtype=torch.float64)

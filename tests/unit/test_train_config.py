@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import pathlib
 
 import pytest
@@ -45,11 +46,14 @@ def test_shipped_deepspeed_configs_validate(path):
     ds = json.loads(path.read_text())
     if path.name.startswith("qwen3_8b"):
         run = load_run_config(str(ROOT / "ds_configs/run_qwen3_8b.json"), {"data": "d", "output": "o"}, {})
-        assert ds["bf16"]["enabled"] and ds["zero_optimization"]["stage"] == 1 and ds["pipeline"]["stages"] == 4
+        # the file name states the layout: qwen3_8b_pp{stages}[_dp{data parallel}].json
+        stages, dp = (int(x) for x in re.fullmatch(r"qwen3_8b_pp(\d+)(?:_dp(\d+))?\.json", path.name).groups("1"))
+        assert ds["bf16"]["enabled"] and ds["zero_optimization"]["stage"] == 1 and ds["pipeline"]["stages"] == stages
         # the presets describe Qwen3-8B; its config comes from the checkpoint dir on GPU machines
-        layers, world = backbone_config("qwen3-8b").num_hidden_layers, 4 * (2 if "dp2" in path.name else 1)
+        layers, world = backbone_config("qwen3-8b").num_hidden_layers, stages * dp
         layout = validate_deepspeed(run, ds, world, layers)
-        assert layout.prefix_per_stage == (9, 9, 9) and layout.num_adaptive == 9
+        assert layout.num_adaptive == 9 and layout.first_adaptive == 27
+        assert layout.prefix_per_stage == {1: (), 4: (9, 9, 9)}[stages]  # one stage: everything on it
     else:
         run = load_run_config(str(ROOT / "ds_configs/run_cpu_tiny.json"), {"data": "d", "output": "o"}, {})
         layout = validate_deepspeed(run, ds, 4, backbone_config(run.preset).num_hidden_layers)

@@ -12,11 +12,13 @@ layouts are read with safetensors, one shard at a time (never the whole model in
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import pathlib
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import Qwen3Config
 
 from ds_ttt.config import TTTConfig
@@ -27,6 +29,18 @@ PRIME_MARKERS = (".prime_mlp.", ".prime_layernorm.")
 
 def is_prime_param(name: str) -> bool:
     return any(m in name for m in PRIME_MARKERS)
+
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str | pathlib.Path):
+    """safe_open that names the damaged file: a truncated or corrupt shard raises ValueError(path, fix)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a complete safetensors file ({e}); the checkpoint or export is damaged: "
+                         "copy or re-export it") from None
 
 
 def checkpoint_shards(model_dir: pathlib.Path) -> dict[str, list[str]]:
@@ -40,7 +54,7 @@ def checkpoint_shards(model_dir: pathlib.Path) -> dict[str, list[str]]:
         return shards
     single = model_dir / "model.safetensors"
     if single.exists():
-        with safe_open(str(single), "pt") as f:
+        with open_safetensors(single) as f:
             return {"model.safetensors": list(f.keys())}
     raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json; "
                             "pass a Hugging Face Qwen3 checkpoint directory (config.json + safetensors)")
@@ -74,7 +88,7 @@ def load_backbone_weights(model: TTTQwen3ForCausalLM, model_dir: str | pathlib.P
     params = dict(model.named_parameters(remove_duplicate=False))  # tied: both names, one Parameter
     loaded: dict[int, str] = {}  # id(parameter) -> the checkpoint name that filled it
     for shard, names in checkpoint_shards(model_dir).items():
-        with safe_open(str(model_dir / shard), "pt") as f:
+        with open_safetensors(model_dir / shard) as f:
             for name in names:
                 if name not in params:
                     if not name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved RoPE buffers

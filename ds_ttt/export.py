@@ -253,21 +253,29 @@ def export_tokenizer(export_dir: pathlib.Path, meta: dict, config):
 
 
 def checkpoint_tokenizer(info, config):
-    """A training checkpoint's tokenizer (the one its data was rendered with), hash-checked."""
+    """A training checkpoint's tokenizer: the one its data was rendered with (the training manifest's
+    tokenizer/ folder), checked against the hash recorded at training. That record is run_config.json's
+    "tokenizer" entry when the trainer writes one, else the training manifest's (whose own sha256 the
+    checkpoint records, so a changed manifest is refused)."""
     d = _run_info_dict(info)
-    tok_dir = pathlib.Path(d["tokenizer_dir"]) if d.get("tokenizer_dir") else None
-    recorded = (d.get("raw") or {}).get("tokenizer") or {}
-    expected, recorded_in = recorded.get("sha256"), "the checkpoint's run_config.json"
-    manifest_path = d.get("manifest_path")
-    if expected is None and manifest_path and pathlib.Path(manifest_path).is_file():
-        raw = pathlib.Path(manifest_path).read_bytes()
-        if d.get("manifest_sha256") and hashlib.sha256(raw).hexdigest() != d["manifest_sha256"]:
-            raise ValueError(f"{manifest_path}: sha256 {hashlib.sha256(raw).hexdigest()} but the checkpoint was "
-                             f"trained on {d['manifest_sha256']}; the training data (and its tokenizer) changed "
-                             "after training, so the tokenizer cannot be verified: restore that manifest directory")
-        expected = json.loads(raw)["tokenizer"]["hash"]
-        recorded_in = f"the training manifest {manifest_path}"
     where = pathlib.Path(d.get("checkpoint") or "checkpoint")
+    recorded = (d.get("raw") or {}).get("tokenizer") or {}
+    expected, recorded_in = recorded.get("sha256"), f"{where}/run_config.json"
+    tok_dir = pathlib.Path(recorded["dir"]) if recorded.get("dir") else None
+    manifest_path = d.get("manifest_path")
+    if manifest_path and pathlib.Path(manifest_path).is_file():
+        raw = pathlib.Path(manifest_path).read_bytes()
+        got = hashlib.sha256(raw).hexdigest()
+        if d.get("manifest_sha256") and got != d["manifest_sha256"]:
+            raise ValueError(f"{manifest_path}: sha256 {got} but {where} was trained on {d['manifest_sha256']}; the "
+                             "training data (and its tokenizer) changed after training, so the tokenizer cannot be "
+                             "verified: restore that manifest directory")
+        tok_meta = json.loads(raw)["tokenizer"]
+        tok_dir = tok_dir or pathlib.Path(manifest_path).parent / tok_meta["dir"]
+        if expected is None:
+            expected, recorded_in = tok_meta["hash"], f"the training manifest {manifest_path}"
+    if tok_dir is None and d.get("tokenizer_dir"):
+        tok_dir = pathlib.Path(d["tokenizer_dir"])
     if tok_dir is None or not (tok_dir / "tokenizer.json").is_file():
         if expected is not None:
             raise FileNotFoundError(f"{where}: trained with tokenizer sha256 {expected} ({recorded_in}), but "
@@ -275,7 +283,7 @@ def checkpoint_tokenizer(info, config):
         return _no_tokenizer(where, config, f"its tokenizer folder {tok_dir} is missing")
     if expected is None and config.vocab_size < QWEN3_TOKENIZER_SIZE:
         raise ValueError(f"{where}: a compact-vocabulary checkpoint whose tokenizer hash is recorded nowhere "
-                         f"(training manifest {manifest_path} missing); its tokenizer cannot be verified")
+                         f"(training manifest {manifest_path} missing); its tokenizer {tok_dir} cannot be verified")
     _check_hash(tok_dir / "tokenizer.json", expected, recorded_in)
     tok = load_tokenizer(str(tok_dir))
     check_tokenizer_fits(tok, config, where=str(where))

@@ -53,6 +53,8 @@ class KVCache:
             return
         if num_slots > self.max_capacity:
             raise ValueError(f"KV cache: {num_slots} slots exceed the capacity {self.max_capacity}")
+        if torch.is_inference_mode_enabled():  # new buffers would be inference tensors, unusable by autograd
+            raise RuntimeError("KVCache: grow the cache (ensure) before entering torch.inference_mode")
         new_cap = min(max(num_slots, 2 * self.capacity), self.max_capacity)
         for buf in (self.k, self.v):
             for i, old in enumerate(buf):

@@ -21,9 +21,10 @@ Exactly the training computation (ds_ttt/model/event_loop.py), incrementally:
     W_r = W_{r-1} - lr * clip(grad L_obs). The backbone is frozen; W lives in this session only
     (`update=False`: a frozen session, W_0 throughout).
 Generation is greedy (temperature 0) or sampled (temperature, top-p, seeded) until `<|im_end|>`,
-one token per step into the preallocated cache (no re-concatenation per token); a one-token step sees
-its whole cache slice, so it needs no mask and uses PyTorch's fused SDPA (one query: O(S) memory with
-any kernel), while every multi-token chunk runs the configured FlashBoB backend.
+one token per step into the preallocated cache (no re-concatenation per token). Attention that needs
+no mask (a one-token step sees its whole cache slice; the prompt's prefill on an empty cache is plain
+causal) uses PyTorch's fused SDPA; every other chunk (after cached keys, windows, the inner step) runs
+the configured FlashBoB backend.
 `act(force=message)` feeds a given action instead (replay / teacher forcing) and records its NLL.
 `fork()` copies a session (W, cache, history) so a caller can try a sequence of operations and keep
 the copy only if all of them succeed.
@@ -258,10 +259,13 @@ class AgentSession:
         window = m.policy.window if m.policy.kind == "window" else 0
         backend = m.ttt.attention_backend
         new_kv = [] if keep_graph else None
-        # One new token without a graph (a decode step) sees every slot of its slice, so no mask is
-        # needed and PyTorch's fused SDPA computes it (one query: O(S) memory whatever the kernel); every
-        # chunk of several tokens (prefill, a forced action, the inner step) uses the FlashBoB backend.
-        decode_step = n == 1 and not keep_graph
+        # Without a graph, attention that needs no mask goes to PyTorch's fused SDPA: one new token (a
+        # decode step) sees every slot of its slice; a chunk on an empty slice (the prompt's prefill)
+        # is plain causal attention (SDPA's is_causal, O(N) memory in its flash kernels). Everything
+        # else (chunks after cached keys, windows, the inner step) runs the FlashBoB backend.
+        fused = None
+        if not keep_graph:
+            fused = "one" if n == 1 else "causal" if slot == lo and window == 0 else None
         it = iter(weights or ())
         for i, layer in enumerate(m.model.layers):
             def attend(q, k, v, i=i):
@@ -272,8 +276,8 @@ class AgentSession:
                 else:
                     cache.write(i, slot, k, v)
                     k_all, v_all = cache.view(i, lo, slot + n)
-                if decode_step:
-                    return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=True)
+                if fused is not None:
+                    return F.scaled_dot_product_attention(q, k_all, v_all, is_causal=fused == "causal", enable_gqa=True)
                 return attention(q, k_all, v_all, causal=True, window=window, q_offset=slot - lo, k_offset=0,
                                  backend=backend)
             w = (next(it), next(it), next(it)) if layer.is_adaptive and weights else None
@@ -320,7 +324,7 @@ class AgentSession:
                                   max_capacity=self.max_context)
         # fp32 (at least) leaf copies of W_0: a bf16 model's inner steps are below half a bf16 ulp
         weights = inner_loop_weights(self.model.initial_fast_weights(), differentiable=False)
-        with torch.no_grad():
+        with torch.inference_mode():  # the cache already has room: only in-place writes below
             self._forward(r.input_ids, 0, 0, cache, weights, want=[])
         self._s = _State(ids=list(r.input_ids), kinds=list(r.kinds), rounds=list(r.rounds), cache=cache,
                          num_slots=n, prompt_slots=n, weights=weights, round=0, phase="act", round_start=0,
@@ -344,14 +348,21 @@ class AgentSession:
         # Cache writes go to slots at or after slot0, which no committed state still needs: full/window
         # write past the last valid slot; current_round overwrites the finished round, which `observe`
         # never reads (it re-runs its round from round 0's slots). So a failure leaves the session usable.
-        with torch.no_grad():
+        # The cache is grown first, so everything below runs under inference_mode (no autograd
+        # bookkeeping; its tensors are never kept, the cache only gets in-place writes).
+        if force is not None:
+            if isinstance(force, dict):
+                action = render_action(force, self.tokenizer)
+            else:
+                action = self.tokenizer.encode(str(force), add_special_tokens=False)
+                if not action or action[-1] != ag.im_end_id:
+                    action.append(ag.im_end_id)
+            s.cache.ensure(min(slot0 + len(prompt) + len(action) + len(end), self.max_context))
+        else:
+            budget = self._budget(start, max_new_tokens or self.max_new_tokens)
+            s.cache.ensure(slot0 + len(prompt) + budget + len(end) + 1)
+        with torch.inference_mode():
             if force is not None:
-                if isinstance(force, dict):
-                    action = render_action(force, self.tokenizer)
-                else:
-                    action = self.tokenizer.encode(str(force), add_special_tokens=False)
-                    if not action or action[-1] != ag.im_end_id:
-                        action.append(ag.im_end_id)
                 chunk = prompt + action + end
                 want = list(range(len(prompt) - 1, len(prompt) + len(action) - 1))
                 logits, _ = self._forward(chunk, start, slot0, s.cache, w, want)
@@ -359,7 +370,7 @@ class AgentSession:
                                                        reduction="none").tolist()
             else:
                 action, log.truncated, log.action_token_nll = self._generate(
-                    s, start, slot0, w, max_new_tokens or self.max_new_tokens, temperature, top_p, on_token)
+                    s, start, slot0, w, budget, temperature, top_p, on_token)
         text = self.tokenizer.decode(action, skip_special_tokens=False)
         message = parse_assistant_message(text)
         if log.truncated:
@@ -376,16 +387,22 @@ class AgentSession:
         s.history.append(log)
         return message
 
-    def _generate(self, s: _State, start: int, slot0: int, w, max_new_tokens: int, temperature: float, top_p: float,
+    def _budget(self, start: int, max_new_tokens: int) -> int:
+        """Tokens a reply starting at position `start` may generate (its turn must still close)."""
+        ag = self.agent
+        budget = min(max_new_tokens, self.max_context - start - len(ag.prompt_ids) - len(ag.action_end_ids) - 1)
+        if budget <= 0:
+            raise ContextFullError(start + len(ag.prompt_ids) + len(ag.action_end_ids) + 1, self.max_context)
+        return budget
+
+    def _generate(self, s: _State, start: int, slot0: int, w, budget: int, temperature: float, top_p: float,
                   on_token=None):
         """Decode one action: the generation prompt in one chunk, then one token per step into the
-        preallocated cache, until a stop token or the budget; closes the turn (`<|im_end|>`, `\n`) in
-        the cache. Returns (action ids ending in <|im_end|>, truncated, NLL of each generated token)."""
+        preallocated cache (grown beforehand: the caller runs this under inference_mode), until a stop
+        token or the budget; closes the turn (`<|im_end|>`, `\n`) in the cache. Returns (action ids
+        ending in <|im_end|>, truncated, NLL of each generated token)."""
         ag = self.agent
         prompt, end = ag.prompt_ids, ag.action_end_ids
-        budget = min(max_new_tokens, self.max_context - start - len(prompt) - len(end) - 1)
-        if budget <= 0:
-            raise ContextFullError(start + len(prompt) + len(end) + 1, self.max_context)
         logits, _ = self._forward(prompt, start, slot0, s.cache, w, [len(prompt) - 1])
         pos, slot, action, nll = start + len(prompt), slot0 + len(prompt), [], []
         while True:

@@ -272,3 +272,43 @@ def test_run_episode_loop_with_a_scripted_session():
         result = run_episode(s, "task", runner, max_rounds=5)
     assert result["finished"] and result["stop"] == "answer" and result["num_rounds"] == 2
     assert s.seen == [["41", "[error: invalid tool call: bad json]"]]
+
+
+def test_decoding_writes_a_preallocated_cache_in_place(tok, monkeypatch):
+    """No concatenation of the key/value cache per generated token (the old decode re-concatenated it,
+    O(S) per token), and the cache grows by doubling."""
+    from ds_ttt.serve.kv_cache import KVCache
+
+    agent = AgentModel(make_model(context_policy="full"), tok)
+    real_cat = torch.cat
+    seq_cats = {"n": 0}
+
+    def counting_cat(tensors, dim=0, **kw):
+        if dim in (2, -2) and tensors and tensors[0].dim() == 4:  # along the sequence of [1, H, S, D]
+            seq_cats["n"] += 1
+        return real_cat(tensors, dim, **kw)
+
+    counts = {}
+    for n in (3, 12):
+        s = AgentSession(agent)
+        s.reset("List the files.")
+        seq_cats["n"] = 0
+        monkeypatch.setattr(torch, "cat", counting_cat)
+        msg = s.act(max_new_tokens=n)
+        monkeypatch.setattr(torch, "cat", real_cat)
+        assert msg["truncated"] and len(s.history[-1].action_token_nll) == n
+        counts[n] = seq_cats["n"]
+    assert counts == {3: 0, 12: 0}
+
+    cache = KVCache.for_model(agent.model, capacity=4, max_capacity=20)
+    k = torch.randn(1, 2, 3, 8)
+    cache.write(0, 0, k, -k)
+    cache.ensure(5)
+    assert cache.capacity == 8 and torch.equal(cache.view(0, 0, 3)[0], k)  # doubled, contents kept
+    cache.ensure(17)
+    assert cache.capacity == 17
+    twin = cache.clone(3)
+    twin.write(0, 0, torch.zeros_like(k), torch.zeros_like(k))
+    assert torch.equal(cache.view(0, 0, 3)[1], -k)  # the clone is independent
+    with pytest.raises(ValueError, match="exceed the capacity 20"):
+        cache.ensure(21)

@@ -76,3 +76,24 @@ def test_trim_vocab_refuses_a_real_checkpoint_tokenizer(tmp_path):
     raw.write_text(json.dumps(generate(1, 1, workers=1)[0]) + "\n")
     with pytest.raises(ValueError, match="--trim-vocab"):
         prepare([raw], tmp_path / "d", trim_vocab=True, model_dir=str(tmp_path))
+
+
+def test_the_id_map_travels_with_the_tokenizer(trimmed, tmp_path):
+    """save_tokenizer writes qwen3_ids.json, load_tokenizer reads it back and checks the special tokens
+    through it; without the map the compact ids are refused (they are not Qwen3's)."""
+    from ds_ttt.data.tokenizer import load_tokenizer, save_tokenizer
+
+    small, qwen3_ids = trimmed
+    assert small.qwen3_ids == qwen3_ids
+    save_tokenizer(small, tmp_path / "tok")
+    assert json.loads((tmp_path / "tok" / "qwen3_ids.json").read_text()) == qwen3_ids
+    back = load_tokenizer(str(tmp_path / "tok"))
+    assert back.qwen3_ids == qwen3_ids and back.convert_tokens_to_ids("<|im_end|>") == small.convert_tokens_to_ids("<|im_end|>")
+    save_tokenizer(back, tmp_path / "again")  # a re-save (as an export does) keeps the map
+    assert (tmp_path / "again" / "qwen3_ids.json").read_text() == (tmp_path / "tok" / "qwen3_ids.json").read_text()
+    (tmp_path / "tok" / "qwen3_ids.json").unlink()
+    with pytest.raises(ValueError, match="no qwen3_ids.json"):
+        load_tokenizer(str(tmp_path / "tok"))
+    (tmp_path / "tok" / "qwen3_ids.json").write_text(json.dumps(qwen3_ids[:-1]))
+    with pytest.raises(ValueError, match="maps .* ids but .* tokens"):
+        load_tokenizer(str(tmp_path / "tok"))

@@ -29,8 +29,8 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -87,11 +87,13 @@ inline bool in_smem(const void* p, size_t bytes) {
 // Thrown inside a thread once the block has been stopped by an error elsewhere.
 struct BlockStopped {};
 
-// One barrier (the block's, or one warp's); guarded by Block::m.
+// One barrier (the block's, or one warp's). Arrivals are counted under the barrier's own mutex
+// (so an exiting thread's drop cannot race an arrival); waiters sleep on the generation word
+// (C++20 atomic wait: a futex, no mutex to re-take on wake-up).
 struct Barrier {
+  std::mutex m;
   int expected = 0, arrived = 0;
-  uint64_t generation = 0;
-  std::condition_variable cv;
+  std::atomic<uint32_t> generation{0};
 };
 
 // Per-warp scratch a collective's lanes publish into (two buffers, by collective-count parity).
@@ -106,13 +108,16 @@ struct WarpScratch {
   LaneSlot slot[2][kWarp];
 };
 
+// Deadlock detection: `blocked_` counts threads waiting at a barrier that has not completed for
+// them (the thread completing a barrier subtracts its waiters before it returns), `live_` the
+// threads not yet exited; blocked == live means no thread can ever complete a barrier.
 class Block {
  public:
-  Block(int nthreads) : nthreads_(nthreads), live_(nthreads), warps_((nthreads + kWarp - 1) / kWarp) {
+  Block(int nthreads)
+      : nthreads_(nthreads), live_(nthreads), warps_((nthreads + kWarp - 1) / kWarp),
+        scratch_(warps_.size()) {
     block_bar_.expected = nthreads;
-    for (int w = 0; w < (int)warps_.size(); ++w)
-      warps_[w].expected = warp_size(w);
-    scratch_.resize(warps_.size());
+    for (int w = 0; w < (int)warps_.size(); ++w) warps_[w].expected = warp_size(w);
   }
   int nthreads() const { return nthreads_; }
   int warp_size(int w) const { return std::min(kWarp, nthreads_ - w * kWarp); }
@@ -123,75 +128,77 @@ class Block {
 
   // Stop every thread of the block (first message wins) and throw in the caller.
   [[noreturn]] void fail(const std::string& msg) {
-    std::unique_lock<std::mutex> l(m_);
-    fail_locked(msg);
+    stop(msg);
     throw BlockStopped{};
   }
   // A thread leaves: it no longer counts for the barriers (an exited GPU thread does not block).
   void thread_exit(int tid) {
-    std::unique_lock<std::mutex> l(m_);
-    --live_;
     drop(block_bar_);
     drop(warps_[tid / kWarp]);
-    check_deadlock_locked();
+    const int live = live_.fetch_sub(1) - 1;
+    if (live > 0 && blocked_.load() == live)
+      stop("emulated kernel deadlock: the remaining threads wait at barriers that the exited "
+           "threads never reached (early return before __syncthreads or a warp collective?)");
   }
-  void record_exception(const std::string& msg) {
-    std::unique_lock<std::mutex> l(m_);
-    if (!stopped_) fail_locked(msg);
+  void record_exception(const std::string& msg) { stop(msg); }
+  std::string error() {
+    std::lock_guard<std::mutex> l(error_m_);
+    return error_;
   }
-  const std::string& error() const { return error_; }
 
  private:
   void wait(Barrier& b, const char* what) {
-    std::unique_lock<std::mutex> l(m_);
-    if (stopped_) throw BlockStopped{};
-    if (++b.arrived == b.expected) {
-      release(b);
-      return;
+    if (stopped_.load()) throw BlockStopped{};
+    uint32_t g;
+    {
+      std::lock_guard<std::mutex> l(b.m);
+      g = b.generation.load();
+      if (++b.arrived == b.expected) {
+        blocked_.fetch_sub(b.arrived - 1);
+        b.arrived = 0;
+        b.generation.fetch_add(1);
+        b.generation.notify_all();
+        return;
+      }
     }
-    const uint64_t g = b.generation;
-    ++blocked_;
-    if (blocked_ == live_) {
-      fail_locked(std::string("emulated kernel deadlock: every live thread waits at a barrier that "
-                              "cannot complete (last arrival at ") + what +
-                  "; divergent __syncthreads or a warp collective not executed by all lanes?)");
-      throw BlockStopped{};
-    }
-    b.cv.wait(l, [&] { return b.generation != g || stopped_; });
-    if (stopped_) throw BlockStopped{};
-  }
-  void release(Barrier& b) {  // completes b; the arrivals other than the caller were blocked
-    blocked_ -= b.arrived - 1;
-    b.arrived = 0;
-    ++b.generation;
-    b.cv.notify_all();
+    if (blocked_.fetch_add(1) + 1 == live_.load())
+      fail(std::string("emulated kernel deadlock: every live thread waits at a barrier that "
+                       "cannot complete (last arrival at ") + what +
+           "; divergent __syncthreads or a warp collective not executed by all lanes?)");
+    while (b.generation.load() == g) b.generation.wait(g);
+    if (stopped_.load()) throw BlockStopped{};
   }
   void drop(Barrier& b) {
+    std::lock_guard<std::mutex> l(b.m);
     --b.expected;
     if (b.arrived > 0 && b.arrived == b.expected) {
-      blocked_ -= b.arrived;
+      blocked_.fetch_sub(b.arrived);
       b.arrived = 0;
-      ++b.generation;
-      b.cv.notify_all();
+      b.generation.fetch_add(1);
+      b.generation.notify_all();
     }
   }
-  void check_deadlock_locked() {
-    if (live_ > 0 && blocked_ == live_ && !stopped_)
-      fail_locked("emulated kernel deadlock: the remaining threads wait at barriers that the exited "
-                  "threads never reached (early return before __syncthreads or a warp collective?)");
-  }
-  void fail_locked(const std::string& msg) {
-    if (!stopped_) {
-      stopped_ = true;
-      error_ = msg;
+  void stop(const std::string& msg) {
+    {
+      std::lock_guard<std::mutex> l(error_m_);
+      if (error_.empty()) error_ = msg;
     }
-    block_bar_.cv.notify_all();
-    for (auto& w : warps_) w.cv.notify_all();
+    stopped_.store(true);
+    for (Barrier* b : all_barriers()) {  // wake every waiter; they see stopped_ and leave
+      b->generation.fetch_add(1);
+      b->generation.notify_all();
+    }
+  }
+  std::vector<Barrier*> all_barriers() {
+    std::vector<Barrier*> v{&block_bar_};
+    for (auto& w : warps_) v.push_back(&w);
+    return v;
   }
 
-  std::mutex m_;
-  int nthreads_, live_, blocked_ = 0;
-  bool stopped_ = false;
+  int nthreads_;
+  std::atomic<int> live_, blocked_{0};
+  std::atomic<bool> stopped_{false};
+  std::mutex error_m_;
   std::string error_;
   Barrier block_bar_;
   std::vector<Barrier> warps_;

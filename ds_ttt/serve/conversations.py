@@ -147,7 +147,9 @@ class ConversationStore:
         return best
 
     # ---- one request ---------------------------------------------------------------------------
-    def chat(self, req: ChatRequest) -> ChatResult:
+    def chat(self, req: ChatRequest, on_token=None) -> ChatResult:
+        """Serve one request (see the module docstring); `on_token` gets each generated token id of the
+        reply as it is chosen (streaming)."""
         conv = self._candidate(req)
         if conv is not None:
             if not conv.lock.acquire(timeout=self.busy_timeout):
@@ -159,7 +161,7 @@ class ConversationStore:
                 k = matched_prefix(conv.session, req.messages, req.tools) if alive else -1
                 if k >= 0:
                     work = conv.session.fork()
-                    result = self._advance(work, req.messages[k:], req)
+                    result = self._advance(work, req.messages[k:], req, on_token=on_token)
                     conv.session = work  # commit: the fork replaces the session only on success
                     with self._lock:
                         if conv.id in self._convs:
@@ -169,7 +171,7 @@ class ConversationStore:
                 conv.lock.release()
         self._check_room()
         work = self._new_session(req)
-        result = self._advance(work, req.messages, req, fresh=True)
+        result = self._advance(work, req.messages, req, fresh=True, on_token=on_token)
         conv = self._insert(work, req.ttt)
         return self._result(conv, work, result, req)
 
@@ -177,7 +179,8 @@ class ConversationStore:
         return AgentSession(self.agent, max_new_tokens=self.max_new_tokens, max_context=self.max_context,
                             update=req.ttt)
 
-    def _advance(self, work: AgentSession, rest: list[dict], req: ChatRequest, *, fresh: bool = False) -> dict:
+    def _advance(self, work: AgentSession, rest: list[dict], req: ChatRequest, *, fresh: bool = False,
+                 on_token=None) -> dict:
         """Feed `rest` (after the matched prefix; with `fresh`, the whole conversation, its round-0
         messages starting the episode), then generate the next assistant turn."""
         observed = 0
@@ -202,7 +205,7 @@ class ConversationStore:
                 work.generator.manual_seed(req.seed)
             prompt_tokens = len(work.input_ids) + len(self.agent.prompt_ids)
             message = work.act(max_new_tokens=req.max_tokens or self.max_new_tokens, temperature=req.temperature,
-                               top_p=req.top_p)
+                               top_p=req.top_p, on_token=on_token)
         except ContextFullError as e:
             raise APIError(400, f"This model's maximum context length is {e.capacity} tokens; the conversation needs "
                            f"at least {e.needed} (shorten it or start a new conversation)", param="messages",

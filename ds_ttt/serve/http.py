@@ -8,7 +8,7 @@ Endpoints (FastAPI on uvicorn):
   GET  /health                    {"status": "ok", "model", "sessions", "policy", "attention_backend"}
   GET  /v1/models                 the served model (its name: the export directory's, or --served-model-name)
   GET  /v1/models/{model}
-  POST /v1/chat/completions       OpenAI's request and reply (stream: SSE chunks), plus a top-level
+  POST /v1/chat/completions       OpenAI's request and reply (stream: SSE chunks as tokens arrive), plus a top-level
                                   "ttt": {"session_id", "updates", "skipped", "policy", "enabled", ...}
   GET  /v1/sessions/{id}          a conversation's ttt state;  DELETE /v1/sessions/{id} closes it
 
@@ -27,6 +27,7 @@ With --port 0 the server binds a free port and prints it. Logs go to stderr. doc
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import pathlib
 import secrets
@@ -41,7 +42,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ds_ttt.serve.conversations import ConversationStore
-from ds_ttt.serve.openai_api import APIError, completion, finish_reason, parse_chat_request, stream_chunks
+from ds_ttt.serve.openai_api import APIError, ChatStream, completion, finish_reason, parse_chat_request
 
 
 def create_app(store: ConversationStore, model_name: str):
@@ -100,15 +101,58 @@ def create_app(store: ConversationStore, model_name: str):
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
         req = parse_chat_request(body, served_model=model_name)
-        result = await anyio.to_thread.run_sync(store.chat, req)  # the model runs off the event loop
-        reply = completion("chatcmpl-" + secrets.token_hex(12), model_name, result.message,
-                           finish_reason(result.message, result.truncated),
-                           {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                            "total_tokens": result.prompt_tokens + result.completion_tokens}, result.ttt)
+        reply_id, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         if not req.stream:
-            return reply
-        return StreamingResponse(iter(stream_chunks(reply, include_usage=req.include_usage)),
-                                 media_type="text/event-stream")
+            result = await anyio.to_thread.run_sync(store.chat, req)  # the model runs off the event loop
+            return reply_of(result, reply_id, created)
+        return await stream(req, reply_id, created)
+
+    def reply_of(result, reply_id: str, created: int) -> dict:
+        return completion(reply_id, model_name, result.message, finish_reason(result.message, result.truncated),
+                          {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                           "total_tokens": result.prompt_tokens + result.completion_tokens}, result.ttt, created)
+
+    async def stream(req, reply_id: str, created: int):
+        """SSE while generating: the request runs in a worker thread whose on_token callback feeds a
+        queue; an error before the first token is a plain error reply (status and error object)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def put(event):
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        def work():
+            try:
+                put(("done", store.chat(req, on_token=lambda tok: put(("token", tok)))))
+            except Exception as e:  # noqa: BLE001 - delivered to the stream
+                put(("error", e))
+        loop.run_in_executor(None, work)
+        first = await events.get()
+        if first[0] == "error":
+            raise first[1]
+        out = ChatStream(reply_id, model_name, created)
+        tokenizer = store.agent.tokenizer
+
+        async def body():
+            yield "".join(out.start())
+            ids, event = [], first
+            while True:
+                kind, value = event
+                if kind == "token":
+                    ids.append(value)
+                    for chunk in out.text(tokenizer.decode(ids, skip_special_tokens=False)):
+                        yield chunk
+                elif kind == "done":
+                    yield "".join(out.end(reply_of(value, reply_id, created), include_usage=req.include_usage))
+                    return
+                else:
+                    if not isinstance(value, APIError):
+                        traceback.print_exception(value, file=sys.stderr)
+                        value = APIError(500, f"internal error: {type(value).__name__}: {value}", type="server_error")
+                    yield "".join(out.error(value))
+                    return
+                event = await events.get()
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     return app
 

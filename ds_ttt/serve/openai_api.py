@@ -247,29 +247,90 @@ def completion(reply_id: str, model: str, message: dict, finish: str, usage: dic
             "usage": usage, "ttt": ttt}
 
 
-def stream_chunks(reply: dict, *, include_usage: bool) -> list[str]:
-    """The finished reply as OpenAI's SSE stream: a role chunk, the reasoning and content, one chunk per
-    tool call (index, id, name, arguments), a finish chunk carrying `ttt`, optionally a usage chunk,
-    then `data: [DONE]`."""
-    base = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"], "model": reply["model"],
-            "system_fingerprint": None}
-    choice = reply["choices"][0]
-    msg = choice["message"]
+_MARKERS = ("<think>", "</think>", "<tool_call>", "<|im_end|>")
 
-    def chunk(delta: dict, finish=None, **extra) -> str:
-        body = dict(base, choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-    out = [chunk({"role": "assistant", "content": ""})]
-    if msg.get("reasoning_content"):
-        out.append(chunk({"reasoning_content": msg["reasoning_content"]}))
-    if msg.get("content"):
-        out.append(chunk({"content": msg["content"]}))
-    for k, call in enumerate(msg.get("tool_calls") or []):
-        out.append(chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                          "function": {"name": call["function"]["name"],
-                                                       "arguments": call["function"]["arguments"]}}]}))
-    out.append(chunk({}, choice["finish_reason"], ttt=reply["ttt"]))
-    if include_usage:
-        out.append(f"data: {json.dumps(dict(base, choices=[], usage=reply['usage']))}\n\n")
-    out.append("data: [DONE]\n\n")
+
+def _held_back(text: str) -> str:
+    """`text` without a trailing partial marker or an incomplete UTF-8 character (more tokens may
+    complete them)."""
+    text = text.rstrip("\ufffd")
+    for k in range(max(map(len, _MARKERS)) - 1, 0, -1):
+        if any(m.startswith(text[-k:]) for m in _MARKERS if len(m) > k):
+            return text[:-k]
+    return text
+
+
+def provisional_message(text: str) -> dict:
+    """What the reply's reasoning_content / content are so far, from a prefix of the generated text:
+    the parts `parse_assistant_message` will keep whatever follows (tool-call blocks are sent whole at
+    the end; whitespace the final parse may strip is held back)."""
+    text = _held_back(text.split("<|im_end|>")[0])
+    out: dict = {}
+    head = text.lstrip()
+    if "</think>" in text:
+        reasoning, rest = text.split("</think>", 1)
+        out["reasoning_content"] = reasoning.lstrip().removeprefix("<think>").strip("\n")
+        rest = rest.lstrip()
+    elif head.startswith("<think>"):
+        out["reasoning_content"] = head.removeprefix("<think>").strip("\n")
+        return out
+    elif "<think>".startswith(head):
+        return out
+    else:
+        rest = text
+    out["content"] = rest.split("<tool_call>")[0].strip()
     return out
+
+
+class ChatStream:
+    """One reply as OpenAI's SSE stream, sent while it is generated: a role chunk, reasoning_content and
+    content deltas as tokens arrive, then one chunk per tool call (index, id, name, arguments), a
+    finish chunk carrying `ttt`, optionally a usage chunk, and `data: [DONE]`."""
+
+    def __init__(self, reply_id: str, model: str, created: int | None = None):
+        self.base = {"id": reply_id, "object": "chat.completion.chunk", "created": created or int(time.time()),
+                     "model": model, "system_fingerprint": None}
+        self.sent = {"reasoning_content": "", "content": ""}
+
+    def _chunk(self, delta: dict, finish=None, **extra) -> str:
+        body = dict(self.base, choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def _deltas(self, target: dict) -> list[str]:
+        out = []
+        for key in ("reasoning_content", "content"):
+            new = target.get(key) or ""
+            if len(new) > len(self.sent[key]) and new.startswith(self.sent[key]):
+                out.append(self._chunk({key: new[len(self.sent[key]):]}))
+                self.sent[key] = new
+        return out
+
+    def text(self, generated: str) -> list[str]:
+        """Deltas for the text generated so far."""
+        return self._deltas(provisional_message(generated))
+
+    def end(self, reply: dict, *, include_usage: bool) -> list[str]:
+        choice = reply["choices"][0]
+        msg = choice["message"]
+        out = self._deltas(msg)
+        for k, call in enumerate(msg.get("tool_calls") or []):
+            out.append(self._chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                    "function": {"name": call["function"]["name"],
+                                                                 "arguments": call["function"]["arguments"]}}]}))
+        out.append(self._chunk({}, choice["finish_reason"], ttt=reply["ttt"]))
+        if include_usage:
+            out.append(f"data: {json.dumps(dict(self.base, choices=[], usage=reply['usage']))}\n\n")
+        return out + ["data: [DONE]\n\n"]
+
+    def error(self, e: APIError) -> list[str]:
+        """A failure after the stream started (OpenAI sends the error object as an event)."""
+        return [f"data: {json.dumps(e.body())}\n\n", "data: [DONE]\n\n"]
+
+
+def stream_chunks(reply: dict, *, include_usage: bool) -> list[str]:
+    """A finished reply as the SSE stream ChatStream sends (all text in one delta each)."""
+    stream = ChatStream(reply["id"], reply["model"], reply["created"])
+    return stream.start() + stream.end(reply, include_usage=include_usage)

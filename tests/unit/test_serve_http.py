@@ -144,6 +144,13 @@ def test_streaming_sends_openai_sse_chunks(server):
                                                  max_tokens=48, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    # the deltas add up to the reply a non-streamed request gets (greedy: the same tokens)
+    whole = client(url).chat.completions.create(model="export", messages=start(TASKS[0]), tools=TOOLS, max_tokens=48)
+    for key in ("content", "reasoning_content"):
+        streamed = "".join((getattr(ch.choices[0].delta, key, None) or (ch.choices[0].delta.model_extra or {}).get(key)
+                            or "") for ch in chunks if ch.choices)
+        sent = getattr(whole.choices[0].message, key, None) or (whole.choices[0].message.model_extra or {}).get(key) or ""
+        assert streamed == sent, key
     calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
     assert len(calls) == 1 and calls[0].function.name == "bash" and calls[0].id.startswith("call_")
     finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
@@ -220,6 +227,9 @@ def test_malformed_requests_get_openai_errors_and_change_nothing(server):
         assert r.status_code == status, (body[:80], r.text)
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
         assert err["param"] == param and (code is None or err["code"] == code), err
+    streamed = httpx.post(f"{url}/v1/chat/completions", content=json.dumps(dict(json.loads(cases[4][0]), stream=True)),
+                          headers={"content-type": "application/json"}, timeout=600)
+    assert streamed.status_code == 400 and streamed.json()["error"]["code"] == "context_length_exceeded"  # before any token
     capacity = store.agent.model.config.max_position_embeddings
     r = httpx.post(f"{url}/v1/chat/completions", content=cases[4][0], headers={"content-type": "application/json"})
     assert f"maximum context length is {capacity} tokens" in r.json()["error"]["message"]

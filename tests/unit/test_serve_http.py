@@ -451,3 +451,23 @@ def test_auto_attention_backend_equals_reference(trimmed, tmp_path):
     assert gen_auto == gen_ref
     for a, b in zip(auto.fast_weights, ref.fast_weights):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("text", [
+    '<think>\nI will list.\n</think>\n\nHere we go.<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>',
+    "<think>\n\n</think>\n\nThe answer is 42.\n<|im_end|>",
+    "<think>\nüñí ✓ 漢字\n\nsecond line</think>plain<|im_end|>",
+    "no think block at all <|im_end|>",
+])
+def test_stream_deltas_are_monotone_and_add_up_to_the_parse(text):
+    from ds_ttt.data.render import parse_assistant_message
+    from ds_ttt.serve.openai_api import provisional_message
+
+    sent = {}
+    for i in range(1, len(text) + 1):
+        for key, value in provisional_message(text[:i]).items():
+            assert value.startswith(sent.get(key, "")), (text[:i], key, value)
+            sent[key] = value
+    final = parse_assistant_message(text)
+    assert sent.get("content", "") == final["content"]
+    assert sent.get("reasoning_content", "") == (final.get("reasoning_content") or "")

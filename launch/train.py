@@ -67,11 +67,13 @@ def main(argv=None) -> int:
         ds = json.load(f)
     if not torch.cuda.is_available():  # no /dev/shm all-reduce buffers (they only serve inference)
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if torch.cuda.is_available():  # before any collective: NCCL object collectives use the current device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     from ds_ttt.train.engine import train
     try:
         train(run, ds, resume=args.resume, start_stage_from=args.start_stage_from)
-    except ValueError as e:  # configuration errors: one clear line (they name the key and the fix)
+    except (ValueError, FileNotFoundError) as e:  # config and checkpoint errors: one clear line (key, file, fix)
         if torch.distributed.get_rank() == 0:
             print(f"launch/train.py: error: {e}", file=sys.stderr)
         return 2

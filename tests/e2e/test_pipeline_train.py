@@ -1,12 +1,16 @@
 """launch/train.py end to end on 4 CPU ranks (tiny preset, generated real-shell data):
 
   A  fresh run with the deepspeed launcher (README command), 4 steps, checkpoints at 2 and 4;
-  B  --resume A/step_2: steps 3-4 give exactly A's losses (fp32), the schedule is not restarted;
+  B  --resume A/step_2, SIGKILLed (the whole process group) in its re-save of step 4, the step
+     `latest` names, after the new folder is renamed and before `latest` switches: `latest` still
+     names A's complete step 4; then --resume A/step_2 again (a second resume from the same
+     checkpoint): steps 3-4 give exactly A's losses (fp32), the schedule is not restarted, and
+     metrics.jsonl holds every step once; all of it loaded with weights_only=True;
   C  --start-stage-from A with a new manifest: cumulative steps continue (5..), the schedule restarts
      (lr 0 at the new stage's first step), data stage 1, new RUN_DIR; held-out ids are tracked.
 The reassembled single-process model (load_model_from_checkpoint) matches the checkpoint.
 
-    python -m pytest tests/e2e/test_pipeline_train.py          (three 4-rank launches, ~2 min on 2 cores)
+    python -m pytest tests/e2e/test_pipeline_train.py          (four 4-rank launches, ~3 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from ds_ttt.train.checkpoint import KILL_ENV, resolve_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
@@ -51,8 +58,13 @@ def make_data(out: pathlib.Path, seed: int) -> pathlib.Path:
     return out / "data" / "manifest.json"
 
 
-def launch(args: list[str], cfg_dir: pathlib.Path, *, deepspeed_launcher: bool = False) -> None:
+def launch(args: list[str], cfg_dir: pathlib.Path, *, deepspeed_launcher: bool = False, kill_at: str | None = None):
+    """Run launch/train.py on 4 CPU ranks in its own process group; `kill_at` (DS_TTT_KILL_AT_SAVE)
+    makes rank 0 SIGKILL that whole group at one phase of a save."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline"}
+    env.pop(KILL_ENV, None)
+    if kill_at:
+        env[KILL_ENV] = kill_at
     port = str(free_port())
     if deepspeed_launcher:
         head = [str(BIN / "deepspeed"), "--num_gpus", "4", "--master_port", port]
@@ -60,8 +72,16 @@ def launch(args: list[str], cfg_dir: pathlib.Path, *, deepspeed_launcher: bool =
         head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", port]
     cmd = head + ["launch/train.py", "--deepspeed_config", str(cfg_dir / "ds.json"),
                   "--run_config", str(cfg_dir / "run.json")] + args
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, " ".join(cmd) + "\n" + proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:  # timed out: leave nothing running
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    want = -signal.SIGKILL if kill_at else 0
+    assert proc.returncode == want, " ".join(cmd) + f"\nrc {proc.returncode}\n" + out[-4000:] + err[-4000:]
 
 
 def metrics(run_dir: pathlib.Path) -> list[dict]:
@@ -77,10 +97,16 @@ def runs(tmp_path_factory):
     a, c = tmp / "A", tmp / "C"
     launch(["--data", str(m1), "--output", str(a), "--max_steps", "4"], tmp, deepspeed_launcher=True)
     first = metrics(a)
-    shutil.copytree(a / "step_00000004", tmp / "A_step4")  # B re-saves step 4 in place
+    first_latest = (a / "latest").read_text().strip()
+    shutil.copytree(a / "step_00000004", tmp / "A_step4")  # B re-saves step 4
+    launch(["--resume", str(a / "step_00000002")], tmp, kill_at="renamed@4")
+    kept = resolve_checkpoint(a)  # what `latest` names right after the kill (compared in the tests)
+    after_kill = {"latest": kept.name, "names": sorted(p.name for p in a.iterdir()),
+                  "files": {p.relative_to(kept).as_posix(): p.read_bytes() for p in kept.rglob("*") if p.is_file()}}
     launch(["--resume", str(a / "step_00000002")], tmp)
     launch(["--start-stage-from", str(a), "--data", str(m2), "--output", str(c), "--max_steps", "3"], tmp)
-    return {"tmp": tmp, "A": a, "C": c, "first": first, "resumed": metrics(a), "stage2": metrics(c)}
+    return {"tmp": tmp, "A": a, "C": c, "first": first, "resumed": metrics(a), "stage2": metrics(c),
+            "after_kill": after_kill, "first_latest": first_latest}
 
 
 def test_fresh_run_logs_and_schedule(runs):
@@ -97,20 +123,34 @@ def test_fresh_run_logs_and_schedule(runs):
     peak = DS["optimizer"]["params"]["lr"]
     assert first[0]["lr"] == 0.0  # warmup from 0
     assert first[-1]["lr"] == pytest.approx(peak * RUN["min_lr_ratio"])  # the floor on the last planned step
-    assert (runs["A"] / "latest").read_text().strip() == "step_00000004"
+    assert runs["first_latest"] == "step_00000004"
     assert (runs["A"] / "step_00000002" / "COMPLETE").is_file()
     assert not list(runs["A"].glob(".tmp-*"))
 
 
+def test_kill_in_a_resave_of_the_latest_step_keeps_it(runs):
+    """The killed re-save had renamed its complete folder (step_4-resave1) but not switched `latest`:
+    `latest` still names A's step 4, complete and unchanged."""
+    after = runs["after_kill"]
+    assert after["latest"] == "step_00000004" and "step_00000004-resave1" in after["names"]
+    assert not any(name.startswith(".shared-check-") for name in after["names"])
+    old = runs["tmp"] / "A_step4"
+    assert sorted(after["files"]) == sorted(p.relative_to(old).as_posix() for p in old.rglob("*") if p.is_file())
+    for name, data in after["files"].items():
+        assert data == (old / name).read_bytes(), name
+
+
 def test_resume_reproduces_losses(runs):
     first, resumed = runs["first"], runs["resumed"]
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # cut back to step 2 by each resume, never doubled
     for a, b in zip(first[2:], resumed[2:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
         assert b["action_loss"] == pytest.approx(a["action_loss"], rel=1e-6, abs=1e-7)
         assert b["lr"] == a["lr"]  # warmup not restarted
     old = torch.load(runs["tmp"] / "A_step4" / "layer_07-model_states.pt", weights_only=True)
-    new = torch.load(runs["A"] / "step_00000004" / "layer_07-model_states.pt", weights_only=True)
+    latest = resolve_checkpoint(runs["A"])  # the second resume's re-save of step 4, the old one removed
+    assert latest.name == "step_00000004-resave1" and not (runs["A"] / "step_00000004").exists()
+    new = torch.load(latest / "layer_07-model_states.pt", weights_only=True)
     for k in old:
         torch.testing.assert_close(new[k], old[k], rtol=1e-6, atol=1e-7)
 
@@ -134,5 +174,5 @@ def test_load_model_from_real_checkpoint(runs):
     assert info.step == 4 and info.model_source == {"preset": "tiny"} and info.plan["planned_steps"] == 4
     # trained prime down projections moved away from their zero init; frozen backbone unchanged by scope
     assert all(float(layer.prime_mlp.down_proj.weight.detach().abs().sum()) > 0 for layer in model.adaptive_layers)
-    last = torch.load(runs["A"] / "step_00000004" / "layer_07-model_states.pt", weights_only=True)
+    last = torch.load(resolve_checkpoint(runs["A"]) / "layer_07-model_states.pt", weights_only=True)
     torch.testing.assert_close(model.lm_head.weight, last["lm_head.weight"], rtol=0, atol=0)

@@ -1,6 +1,8 @@
-"""Atomic checkpoints: a process killed (SIGKILL-like os._exit) at any point of a save never leaves a
-half-written checkpoint marked latest; the next save cleans up. Plus the data loader's deterministic,
-resumable order.
+"""Atomic checkpoints: a process SIGKILLed at any phase of a save (mid DeepSpeed write, and at each
+of checkpoint.SAVE_PHASES), for a new step and for a re-save of the step `latest` names, leaves
+`latest` naming a complete checkpoint; the next save cleans up. RNG files load with weights_only=True
+and a missing one is an error. Plus the data loader's deterministic, resumable order and the metrics
+log.
 
     python -m pytest tests/unit/test_train_checkpoint.py
 """
@@ -8,67 +10,121 @@ resumable order.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
-import subprocess
-import sys
-import textwrap
+import random
+import signal
 
+import numpy as np
 import pytest
+import torch
 
+from ds_ttt.train import checkpoint as ck
 from ds_ttt.train.checkpoint import resolve_checkpoint
 from ds_ttt.train.data_loader import Sample, TrajectoryBatches, collate
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+class FakeEngine:
+    """Writes what a DeepSpeed pipeline save writes, file by file; `die_after_files` SIGKILLs the process
+    in the middle of it (after that many layer files)."""
 
-SCRIPT = textwrap.dedent("""
-    import os, pathlib, sys
-    from ds_ttt.train import checkpoint as ck
+    def __init__(self, die_after_files: int | None = None):
+        self.die_after_files = die_after_files
 
-    run_dir, kill_at = pathlib.Path(sys.argv[1]), sys.argv[2]
-
-    class FakeEngine:  # writes what DeepSpeed writes, file by file
-        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
-            assert save_latest is False
-            d = pathlib.Path(save_dir) / tag
-            d.mkdir(parents=True, exist_ok=True)
-            for i in range(3):
-                (d / f"layer_0{{i}}-model_states.pt").write_bytes(b"x" * 1000)
-                if kill_at == "engine" and i == 1 and client_state["step"] == 4:
-                    os._exit(9)
-            (d / "mp_rank_00_model_states.pt").write_bytes(repr(client_state).encode())
-
-    def hook(tmp):
-        if kill_at == "before_rename":
-            os._exit(9)
-
-    resolved = {{"format": ck.RUN_FORMAT}}
-    ck.save_checkpoint(FakeEngine(), run_dir, 2, {{"step": 2}}, resolved, {{"stages": []}}, rank=0, barrier=lambda: None)
-    ck.save_checkpoint(FakeEngine(), run_dir, 4, {{"step": 4}}, resolved, {{"stages": []}}, rank=0,
-                       barrier=lambda: None, after_engine_save=hook if kill_at != "none" else None)
-""")
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        assert save_latest is False
+        d = pathlib.Path(save_dir) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(3):
+            (d / f"layer_0{i}-model_states.pt").write_bytes(b"x" * 1000)
+            if self.die_after_files == i + 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+        (d / "mp_rank_00_model_states.pt").write_text(json.dumps(client_state))
 
 
-def run_saver(run_dir: pathlib.Path, kill_at: str) -> int:
-    code = SCRIPT.format(root=str(ROOT))
-    return subprocess.run([sys.executable, "-c", code, str(run_dir), kill_at], capture_output=True, timeout=120).returncode
+def save(run_dir, step, version, *, engine=None, on_phase=None):
+    return ck.save_checkpoint(engine or FakeEngine(), run_dir, step, {"step": step, "version": version},
+                              {"format": ck.RUN_FORMAT}, {"stages": []}, rank=0, barrier=lambda: None,
+                              on_phase=on_phase)
 
 
-@pytest.mark.parametrize("kill_at", ["engine", "before_rename"])
-def test_kill_during_save_keeps_previous_latest(tmp_path, kill_at):
-    assert run_saver(tmp_path, kill_at) == 9
-    assert (tmp_path / "latest").read_text() == "step_00000002"
-    assert resolve_checkpoint(tmp_path) == tmp_path / "step_00000002"
-    assert not (tmp_path / "step_00000004").exists()
-    leftover = tmp_path / ".tmp-step_00000004"
-    assert leftover.is_dir()
-    with pytest.raises(FileNotFoundError, match="unfinished"):
-        resolve_checkpoint(leftover)
-    # the next (complete) save removes the leftover and moves latest
-    assert run_saver(tmp_path, "none") == 0
-    assert resolve_checkpoint(tmp_path) == tmp_path / "step_00000004"
+def in_killed_child(fn) -> None:
+    """Run fn() in a forked child that must die by SIGKILL (as a killed launch would)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        finally:
+            os._exit(0)  # reached only when no kill happened
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"child was not killed: {status}"
+
+
+def kill_at(phase):
+    def hook(now, path):
+        if now == phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+def assert_latest_complete(run_dir, step, version):
+    """`latest` names a complete checkpoint of `step` whose files are the ones `version` wrote."""
+    ckpt = resolve_checkpoint(run_dir)
+    assert ckpt.name == (run_dir / "latest").read_text().strip()
+    assert json.loads((ckpt / "run_config.json").read_text())["step"] == step
+    assert json.loads((ckpt / "mp_rank_00_model_states.pt").read_text()) == {"step": step, "version": version}
+    assert sorted(p.name for p in ckpt.glob("layer_*")) == [f"layer_0{i}-model_states.pt" for i in range(3)]
+    assert (ckpt / "rng" / "rank_00000.pt").is_file()
+    return ckpt
+
+
+# (where the kill lands, whether the killed save's checkpoint is the one `latest` names afterwards)
+KILLS = [("engine_writes", False)] + [(phase, phase == "latest") for phase in ck.SAVE_PHASES]
+
+
+@pytest.mark.parametrize("resave", [False, True], ids=["new_step", "resave_latest_step"])
+@pytest.mark.parametrize("where,takes_effect", KILLS, ids=[k for k, _ in KILLS])
+def test_kill_at_every_save_phase_keeps_latest_complete(tmp_path, where, takes_effect, resave):
+    """A new step (latest = step 2, save step 4) or a re-save of the step `latest` names (latest =
+    step 4 version 1, save step 4 version 2, as a resume from step 2 does), killed at each phase."""
+    save(tmp_path, 2, 1)
+    if resave:
+        save(tmp_path, 4, 1)
+    before = (4, 1) if resave else (2, 1)
+    if where == "engine_writes":
+        in_killed_child(lambda: save(tmp_path, 4, 2, engine=FakeEngine(die_after_files=2)))
+    else:
+        in_killed_child(lambda: save(tmp_path, 4, 2, on_phase=kill_at(where)))
+    assert_latest_complete(tmp_path, *((4, 2) if takes_effect else before))
+    leftovers = list(tmp_path.glob(".tmp-*"))
+    if leftovers:
+        with pytest.raises(FileNotFoundError, match="unfinished"):
+            resolve_checkpoint(leftovers[0])
+    # the next complete save (a re-save of step 4 again) cleans every leftover and moves latest
+    ckpt = save(tmp_path, 4, 3)
+    assert assert_latest_complete(tmp_path, 4, 3) == ckpt
     assert not list(tmp_path.glob(".tmp-*"))
-    saved = json.loads((tmp_path / "step_00000004" / "run_config.json").read_text())
-    assert saved["step"] == 4 and (tmp_path / "step_00000004" / "rng" / "rank_00000.pt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step_00000002", ckpt.name]
+
+
+def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    np.random.standard_normal()  # a cached gaussian is part of numpy's state
+    torch.save(ck.rng_state(), tmp_path / "rank_00000.pt")
+    want = (random.random(), np.random.standard_normal(), torch.rand(2))
+    ck.set_rng_state(ck.load_rng_file(tmp_path / "rank_00000.pt", 0))
+    got = (random.random(), np.random.standard_normal(), torch.rand(2))
+    assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2])
+
+
+def test_missing_rng_file_names_the_rank_and_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"rank_00003\.pt: rank 3's RNG state is missing"):
+        ck.load_rng_file(tmp_path / "rng" / "rank_00003.pt", 3)
+
+
+def test_old_pickled_rng_file_is_refused(tmp_path):
+    torch.save({"numpy": np.random.get_state()}, tmp_path / "rank_00000.pt")  # what older ds_ttt wrote
+    with pytest.raises(ValueError, match="weights_only=True"):
+        ck.load_rng_file(tmp_path / "rank_00000.pt", 0)
 
 
 def samples(n=10):
@@ -115,20 +171,56 @@ def test_collate_pads_right_with_kind_minus_one():
 
 
 def test_metrics_logger_jsonl_resume_truncation_and_offline_wandb(tmp_path, monkeypatch):
-    from ds_ttt.train.logging import MetricsLogger
+    from ds_ttt.train.logging import WANDB_ID_FILE, MetricsLogger
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     rec = {"loss": 1.0, "action_loss": 1.0, "tokens_per_s": 10.0, "lr": 0.0}
     log = MetricsLogger(tmp_path, enabled=True, total=3, initial=0, resume_step=None, wandb_config={"a": 1})
     for step in (1, 2, 3):
-        log.log({**rec, "step": step})
+        log.step({**rec, "step": step})
     log.close()
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
-    assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb must run offline by default"
-    # a resume from step 1 drops the lines of steps it will redo
-    MetricsLogger(tmp_path, enabled=True, total=3, initial=1, resume_step=1).close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, "wandb must run offline by default"
+    run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
+    assert runs[0].name.endswith("-" + run_id)
+    # a resume from step 1 drops the lines of steps it will redo, and continues the same W&B run
+    log = MetricsLogger(tmp_path, enabled=True, total=3, initial=1, resume_step=1, wandb_config={"a": 1}, resume=True)
+    assert log.wandb.id == run_id
+    log.close()
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    # a fresh launch (or a new data stage, which has a new RUN_DIR) starts a new W&B run
+    log = MetricsLogger(tmp_path, enabled=True, total=3, initial=0, resume_step=0, wandb_config={"a": 1})
+    assert log.wandb.id != run_id and (tmp_path / WANDB_ID_FILE).read_text().strip() == log.wandb.id
+    log.close()
     # other ranks write nothing
-    MetricsLogger(tmp_path / "r1", enabled=False, total=3, initial=0, resume_step=None).log({**rec, "step": 1})
+    MetricsLogger(tmp_path / "r1", enabled=False, total=3, initial=0, resume_step=None).step({**rec, "step": 1})
     assert not (tmp_path / "r1").exists()
+
+
+def test_progress_bar_advances_every_step_whatever_the_log_interval(tmp_path):
+    from ds_ttt.train.logging import MetricsLogger
+
+    rec = {"loss": 1.0, "action_loss": 1.0, "tokens_per_s": 10.0, "lr": 0.0}
+    log = MetricsLogger(tmp_path, enabled=True, total=6, initial=0, resume_step=None)
+    for step in range(1, 7):
+        log.step({**rec, "step": step} if step % 3 == 0 else None, loss=1.0)  # log_interval 3
+    assert log.bar.n == 6
+    log.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [3, 6]
+
+
+def test_metrics_cut_drops_a_line_a_kill_cut_short(tmp_path):
+    from ds_ttt.train.logging import cut_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    cut_metrics(path, 3)
+    assert path.read_text() == "".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3))
+    cut_metrics(path, 3)  # idempotent: a second resume from the same step cuts nothing more
+    cut_metrics(path, 2)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
+        cut_metrics(path, 2)

@@ -1,0 +1,105 @@
+"""--resume refuses what it cannot reproduce: a changed batch layout (train_batch_size, micro batch,
+gradient accumulation, data-parallel size) or pipeline (stages, partition) is refused in one line that
+names the key, the saved and the new value and the fix; the unchanged case passes. The saved sample
+cursor is read and checked against the step counts.
+
+    python -m pytest tests/unit/test_resume_checks.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds_ttt.config import TTTConfig
+from ds_ttt.model.presets import backbone_config
+from ds_ttt.train import checkpoint as ck
+from ds_ttt.train.engine import DATA_ORDER_KEYS, check_reproducible, resume_cursor
+from ds_ttt.train.layout import resolve_layout
+from ds_ttt.train.run_config import RunConfig
+
+TTT = TTTConfig(adaptive_layers=2)
+SAVED_ORDER = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+               "data_parallel_size": 2}
+
+
+def saved_info(tmp_path, *, step=6, stage_start_step=0, data_order=SAVED_ORDER, ds=None):
+    backbone = backbone_config("tiny")
+    layout = resolve_layout(2, backbone.num_hidden_layers, TTT)
+    run = RunConfig(data="x/manifest.json", output=str(tmp_path), ttt=TTT)
+    res = ck.resolved_config(run=run, backbone=backbone, ds=ds or {"pipeline": {"stages": 2}}, plan=None,
+                             layout=layout, manifest_path="x/manifest.json", manifest_sha256="abc",
+                             stage_start_step=stage_start_step, data_order=data_order)
+    d = tmp_path / ck.tag_for(step)
+    d.mkdir()
+    (d / ck.RUN_CONFIG).write_text(json.dumps({**res, "step": step}))
+    (d / ck.COMPLETE).write_text("")
+    return ck.RunInfo.read(d), backbone.num_hidden_layers
+
+
+def test_unchanged_layout_resumes(tmp_path):
+    info, num_layers = saved_info(tmp_path)
+    check_reproducible(info, dict(SAVED_ORDER), resolve_layout(2, num_layers, TTT))
+
+
+@pytest.mark.parametrize("key,new,fix", [
+    ("train_batch_size", 16, "set train_batch_size=8 in the DeepSpeed config"),
+    ("train_micro_batch_size_per_gpu", 1, "set train_micro_batch_size_per_gpu=2 in the DeepSpeed config"),
+    ("gradient_accumulation_steps", 4, "set gradient_accumulation_steps=2 in the DeepSpeed config"),
+    ("data_parallel_size", 1, "launch with world size = pipeline.stages x 2"),
+])
+def test_changed_data_order_is_refused(tmp_path, key, new, fix):
+    info, num_layers = saved_info(tmp_path)
+    with pytest.raises(ValueError) as e:
+        check_reproducible(info, {**SAVED_ORDER, key: new}, resolve_layout(2, num_layers, TTT))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert f"--resume: {key} is {new} now but {SAVED_ORDER[key]} in {info.checkpoint / ck.RUN_CONFIG}" in msg
+    assert fix in msg and "--start-stage-from" in msg
+
+
+def test_changed_pipeline_stages_are_refused(tmp_path):
+    info, num_layers = saved_info(tmp_path)
+    with pytest.raises(ValueError, match=r"--resume: pipeline\.stages is 4 now but 2 in .*set pipeline\.stages=2"):
+        check_reproducible(info, dict(SAVED_ORDER), resolve_layout(4, num_layers, TTT))
+
+
+def test_changed_partition_is_refused(tmp_path):
+    n = backbone_config("tiny").num_hidden_layers  # 8: 6 non-adaptive layers over 3 non-last stages
+    info, _ = saved_info(tmp_path)
+    raw = json.loads((info.checkpoint / ck.RUN_CONFIG).read_text())
+    raw["layout"] = resolve_layout(4, n, TTT).to_dict()  # saved: 4 stages, default partition [2, 2, 2]
+    (info.checkpoint / ck.RUN_CONFIG).write_text(json.dumps(raw))
+    info = ck.RunInfo.read(info.checkpoint)
+    check_reproducible(info, dict(SAVED_ORDER), resolve_layout(4, n, TTT, partition=[2, 2, 2]))
+    with pytest.raises(ValueError, match=r"--resume: partition is \[3, 2, 1\] now but \[2, 2, 2\] in .*"
+                                         r"set partition=\[2, 2, 2\] in the run config"):
+        check_reproducible(info, dict(SAVED_ORDER), resolve_layout(4, n, TTT, partition=[3, 2, 1]))
+
+
+def test_old_checkpoint_without_a_recorded_order_uses_its_deepspeed_config(tmp_path):
+    ds = {"pipeline": {"stages": 2}, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+          "gradient_accumulation_steps": 2}
+    info, n = saved_info(tmp_path, data_order=None, ds=ds)
+    check_reproducible(info, dict(SAVED_ORDER), resolve_layout(2, n, TTT))
+    with pytest.raises(ValueError, match="data_parallel_size is 1 now but 2"):
+        check_reproducible(info, {**SAVED_ORDER, "data_parallel_size": 1}, resolve_layout(2, n, TTT))
+
+
+def test_sample_cursor_is_read_and_checked(tmp_path):
+    info, _ = saved_info(tmp_path, step=6)
+    client = {"stage_step": 6, "cursor": {"epoch": 1, "batch": 2, "samples": 48}}
+    assert resume_cursor(client, info, steps_per_epoch=4, train_batch_size=8) == 6
+    for bad in ({"epoch": 1, "batch": 1, "samples": 40},  # cursor behind the step
+                {"epoch": 1, "batch": 2, "samples": 40}):  # sample count disagrees
+        with pytest.raises(ValueError, match="saved data cursor .* disagrees"):
+            resume_cursor({**client, "cursor": bad}, info, steps_per_epoch=4, train_batch_size=8)
+    with pytest.raises(ValueError, match="disagrees"):  # the epoch length changed (another train split size)
+        resume_cursor(client, info, steps_per_epoch=3, train_batch_size=8)
+    with pytest.raises(ValueError, match="no data cursor"):
+        resume_cursor({"stage_step": 6}, info, steps_per_epoch=4, train_batch_size=8)
+
+
+def test_data_order_keys_are_what_the_trainer_records():
+    assert set(DATA_ORDER_KEYS) == set(SAVED_ORDER)

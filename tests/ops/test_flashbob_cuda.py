@@ -96,7 +96,8 @@ def test_cuda_long_sequence_matches_reference_on_a_slice():
     # reference (float64 would be slow) with the same derived rule.
     g = torch.Generator(device="cuda").manual_seed(5)
     shape_q, shape_kv = (1, 4, 2048, 128), (1, 2, 2048, 128)
-    q32, k32, v32 = (torch.randn(s, device="cuda", generator=g) for s in (shape_q, shape_kv, shape_kv))
+    q32, k32, v32 = (torch.randn(s, device="cuda", generator=g)
+                     for s in (shape_q, shape_kv, shape_kv))
     outs = {}
     for name, dt, be in (("ref32", torch.float32, "reference"),
                          ("ref_bf16", torch.bfloat16, "reference"),

@@ -111,6 +111,7 @@ def test_ptx_check_passes_only_when_every_kernel_entry_has_mma(tmp_path):
     assert "tensor-core MMA in all 24 kernel entries" in ok.stdout
     victim = _entry_name("bob_col_kernel", "6__half", 128)
     no_mma = _run_ptx_check(_synthetic_ptx(tmp_path, drop_mma_in=victim))
-    assert no_mma.returncode != 0 and "bob_col_kernel" in no_mma.stdout and "no mma.sync" in no_mma.stdout
+    assert no_mma.returncode != 0, no_mma.stdout
+    assert "bob_col_kernel" in no_mma.stdout and "no mma.sync" in no_mma.stdout
     missing = _run_ptx_check(_synthetic_ptx(tmp_path, drop_entry=victim))
     assert missing.returncode != 0 and "3 PTX entries, expected 4" in missing.stdout

@@ -1,7 +1,8 @@
 // FlashBoB CUDA binding: validates inputs (TORCH_CHECK) and calls the launchers of the
 // tensor-core kernels (flashbob_cuda_kernel.cu, sm_80+) on the current stream. Exports fwd, bwd,
 // bwd_bwd with the same signatures as the CPU extension (flashbob_cpu.cpp), so
-// ds_ttt/ops/flashbob/function.py is backend-agnostic. Storage bf16/fp16, head dim 64 or 128; stats and row scalars fp32.
+// ds_ttt/ops/flashbob/function.py is backend-agnostic. Storage bf16/fp16, head dim 64 or 128;
+// stats and row scalars fp32.
 // Only c10 CUDA headers (no ATen/cuda/CUDAContext.h: it needs cuBLAS/cuSPARSE headers).
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>

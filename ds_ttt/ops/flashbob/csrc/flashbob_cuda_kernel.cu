@@ -511,7 +511,9 @@ struct BobRowSmem {
     UKs = Vs + 2 * TL::BN * L;
     UVs = UKs + 2 * TL::BN * L;
   }
-  static constexpr size_t bytes() { return Smem<D>::template tile_bytes<T>(3 * TL::BM + 8 * TL::BN); }
+  static constexpr size_t bytes() {
+    return Smem<D>::template tile_bytes<T>(3 * TL::BM + 8 * TL::BN);
+  }
 };
 
 // Row pass of the BoB, two modes sharing the score code:
@@ -802,7 +804,8 @@ __global__ void __launch_bounds__(TL::NT) bob_col_kernel(
 // ------------------------------------------------------------------------------- launchers
 // Tile shapes per kernel and head dim: Tiles<rows owned per block, rows streamed per stage, warps>.
 // Starting points sized to the register file (two D-wide fp32 accumulators plus up to four score
-// tiles per thread) and to <= 227 KB of shared memory; tune on a GPU. A sweep overrides one with
+// tiles per thread) and to the A100's 163 KB of opt-in shared memory per block (H100/H200: 227
+// KB), so the defaults run on every sm_80 / sm_90 part; tune on a GPU. A sweep overrides one with
 // a packed decimal BM·10000 + BN·10 + warps at compile time, e.g.
 //   DS_TTT_FLASHBOB_NVCC_FLAGS="-DFLASHBOB_TILES_BOB_ROW_D128=1280328"   (BM 128, BN 32, 8 warps)
 // (one number, because nvcc splits -D values at commas).
@@ -836,7 +839,7 @@ using TilesOf = Tiles<PACKED / 10000, (PACKED / 10) % 1000, PACKED % 10>;
 #define FLASHBOB_TILES_BWD_COL_D128 640324
 #endif
 #ifndef FLASHBOB_TILES_BOB_STATS_D128
-#define FLASHBOB_TILES_BOB_STATS_D128 640644
+#define FLASHBOB_TILES_BOB_STATS_D128 640324
 #endif
 #ifndef FLASHBOB_TILES_BOB_ROW_D128
 #define FLASHBOB_TILES_BOB_ROW_D128 640324
@@ -865,6 +868,14 @@ struct Shapes<128> {
   using BobCol = TilesOf<FLASHBOB_TILES_BOB_COL_D128>;
 };
 
+// Shared memory every kernel's shape must fit (checked at compile time): the A100's opt-in limit
+// per block, the smallest of the targets. A sweep for H100/H200 only may raise it to 227 KB with
+// -DFLASHBOB_SMEM_LIMIT_KB=227.
+#ifndef FLASHBOB_SMEM_LIMIT_KB
+#define FLASHBOB_SMEM_LIMIT_KB 163
+#endif
+constexpr size_t kSmemLimit = (size_t)FLASHBOB_SMEM_LIMIT_KB * 1024;
+
 // Kernels may use more than 48 KB of dynamic shared memory: opt in per kernel before launching.
 template <typename K>
 cudaError_t allow_smem(K kernel, size_t smem) {
@@ -885,7 +896,8 @@ cudaError_t fwd_t(const void* q, const void* k, const void* v, void* o, float* s
                   cudaStream_t st) {
   using TL = typename Shapes<D>::Fwd;
   constexpr int NT = TL::NT;
-  const size_t smem = Smem<D>::template tile_bytes<T>(TL::BM + 4 * TL::BN);
+  constexpr size_t smem = Smem<D>::template tile_bytes<T>(TL::BM + 4 * TL::BN);
+  static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
   auto kern = fwd_kernel<T, D, TL>;
   cudaError_t err = allow_smem(kern, smem);
   if (err != cudaSuccess) return err;
@@ -902,7 +914,8 @@ cudaError_t bwd_t(const void* q, const void* k, const void* v, const void* o, co
   {
     using TL = typename Shapes<D>::BwdRow;
     constexpr int NT = TL::NT;
-    const size_t smem = Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN);
+    constexpr size_t smem = Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN);
+    static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bwd_row_kernel<T, D, TL>;
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v,
@@ -912,8 +925,9 @@ cudaError_t bwd_t(const void* q, const void* k, const void* v, const void* o, co
   {
     using TL = typename Shapes<D>::BwdCol;
     constexpr int NT = TL::NT;
-    const size_t smem =
+    constexpr size_t smem =
         Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN) + 6 * TL::BN * sizeof(float);
+    static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bwd_col_kernel<T, D, TL>;
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, col_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v, stats,
@@ -931,7 +945,8 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
   {
     using TL = typename Shapes<D>::BobStats;
     constexpr int NT = TL::NT;
-    const size_t smem = BobRowSmem<T, D, TL>::bytes();
+    constexpr size_t smem = BobRowSmem<T, D, TL>::bytes();
+    static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bob_stats_kernel<T, D, TL>;
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v,
@@ -942,7 +957,8 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
   {
     using TL = typename Shapes<D>::BobRow;
     constexpr int NT = TL::NT;
-    const size_t smem = BobRowSmem<T, D, TL>::bytes();
+    constexpr size_t smem = BobRowSmem<T, D, TL>::bytes();
+    static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bob_row_kernel<T, D, TL>;
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v,
@@ -953,7 +969,8 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
   {
     using TL = typename Shapes<D>::BobCol;
     constexpr int NT = TL::NT;
-    const size_t smem = BobColSmem<T, D, TL>::bytes();
+    constexpr size_t smem = BobColSmem<T, D, TL>::bytes();
+    static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bob_col_kernel<T, D, TL>;
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, col_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v, stats,

@@ -189,7 +189,8 @@ __device__ __forceinline__ void gemm_ab(float (&o)[MT][D / 8][4], const uint32_t
 
 // A fragments (rounded to T) of a score tile, in registers.
 template <typename T, int MT, int NB>
-__device__ __forceinline__ void to_afrag(uint32_t (&p)[MT][NB / 2][4], const float (&s)[MT][NB][4]) {
+__device__ __forceinline__ void to_afrag(uint32_t (&p)[MT][NB / 2][4],
+                                         const float (&s)[MT][NB][4]) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -1,16 +1,17 @@
 """launch/train.py end to end on 4 CPU ranks (tiny preset, generated real-shell data):
 
   A  fresh run with the deepspeed launcher (README command), 4 steps, checkpoints at 2 and 4;
-  B  --resume A/step_2, SIGKILLed (the whole process group) in its re-save of step 4, the step
+  B  --resume A/step_2, SIGKILLed (every rank and the launcher) in its re-save of step 4, the step
      `latest` names, after the new folder is renamed and before `latest` switches: `latest` still
      names A's complete step 4; then --resume A/step_2 again (a second resume from the same
      checkpoint): steps 3-4 give exactly A's losses (fp32), the schedule is not restarted, and
      metrics.jsonl holds every step once; all of it loaded with weights_only=True;
   C  --start-stage-from A with a new manifest: cumulative steps continue (5..), the schedule restarts
-     (lr 0 at the new stage's first step), data stage 1, new RUN_DIR; held-out ids are tracked.
+     (lr 0 at the new stage's first step), data stage 1, new RUN_DIR; held-out ids are tracked;
+  D  --resume with another train_batch_size / gradient accumulation: refused in one line (exit 2).
 The reassembled single-process model (load_model_from_checkpoint) matches the checkpoint.
 
-    python -m pytest tests/e2e/test_pipeline_train.py          (four 4-rank launches, ~3 min on 2 cores)
+    python -m pytest tests/e2e/test_pipeline_train.py          (five 4-rank launches, ~4 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ def make_data(out: pathlib.Path, seed: int) -> pathlib.Path:
     return out / "data" / "manifest.json"
 
 
-def launch(args: list[str], cfg_dir: pathlib.Path, *, deepspeed_launcher: bool = False, kill_at: str | None = None):
-    """Run launch/train.py on 4 CPU ranks in its own process group; `kill_at` (DS_TTT_KILL_AT_SAVE)
-    makes rank 0 SIGKILL that whole group at one phase of a save."""
+def launch(args: list[str], cfg_dir: pathlib.Path, *, deepspeed_launcher: bool = False, kill_at: str | None = None,
+           ds_file: str = "ds.json", want_rc: int = 0) -> str:
+    """Run launch/train.py on 4 CPU ranks in its own session; `kill_at` (DS_TTT_KILL_AT_SAVE) makes rank
+    0 SIGKILL the whole launch at one phase of a save. Returns stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline"}
     env.pop(KILL_ENV, None)
     if kill_at:
@@ -70,18 +72,23 @@ def launch(args: list[str], cfg_dir: pathlib.Path, *, deepspeed_launcher: bool =
         head = [str(BIN / "deepspeed"), "--num_gpus", "4", "--master_port", port]
     else:
         head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", port]
-    cmd = head + ["launch/train.py", "--deepspeed_config", str(cfg_dir / "ds.json"),
+    cmd = head + ["launch/train.py", "--deepspeed_config", str(cfg_dir / ds_file),
                   "--run_config", str(cfg_dir / "run.json")] + args
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=900)
     finally:
-        if proc.poll() is None:  # timed out: leave nothing running
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    want = -signal.SIGKILL if kill_at else 0
+        if proc.poll() is None:  # timed out: SIGTERM lets torchrun stop its workers, then nothing is left
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    want = -signal.SIGKILL if kill_at else want_rc
     assert proc.returncode == want, " ".join(cmd) + f"\nrc {proc.returncode}\n" + out[-4000:] + err[-4000:]
+    return err
 
 
 def metrics(run_dir: pathlib.Path) -> list[dict]:
@@ -104,9 +111,14 @@ def runs(tmp_path_factory):
     after_kill = {"latest": kept.name, "names": sorted(p.name for p in a.iterdir()),
                   "files": {p.relative_to(kept).as_posix(): p.read_bytes() for p in kept.rglob("*") if p.is_file()}}
     launch(["--resume", str(a / "step_00000002")], tmp)
+    # a resume with another batch layout is refused in one line before anything is built or written
+    (tmp / "ds_gas4.json").write_text(json.dumps({**DS, "train_batch_size": 4, "gradient_accumulation_steps": 4}))
+    refused = launch(["--resume", str(a)], tmp, ds_file="ds_gas4.json", want_rc=1)  # torchrun: a rank exited 2
+    latest_after_refusal = (a / "latest").read_text().strip()
     launch(["--start-stage-from", str(a), "--data", str(m2), "--output", str(c), "--max_steps", "3"], tmp)
     return {"tmp": tmp, "A": a, "C": c, "first": first, "resumed": metrics(a), "stage2": metrics(c),
-            "after_kill": after_kill, "first_latest": first_latest}
+            "after_kill": after_kill, "first_latest": first_latest, "refused": refused,
+            "latest_after_refusal": latest_after_refusal}
 
 
 def test_fresh_run_logs_and_schedule(runs):
@@ -153,6 +165,14 @@ def test_resume_reproduces_losses(runs):
     new = torch.load(latest / "layer_07-model_states.pt", weights_only=True)
     for k in old:
         torch.testing.assert_close(new[k], old[k], rtol=1e-6, atol=1e-7)
+
+
+def test_resume_with_another_batch_layout_is_refused(runs):
+    errors = [line for line in runs["refused"].splitlines() if line.startswith("launch/train.py: error:")]
+    assert len(errors) == 1, runs["refused"][-3000:]
+    assert "--resume: train_batch_size is 4 now but 2 in " in errors[0]
+    assert "set train_batch_size=2 in the DeepSpeed config" in errors[0] and "--start-stage-from" in errors[0]
+    assert runs["latest_after_refusal"] == "step_00000004-resave1"  # nothing written
 
 
 def test_stage_transition(runs):

@@ -242,7 +242,7 @@ def _checker(spec: dict) -> dict:
     for impl, saved in spec["saved"].items():
         results = []
         for s in saved:
-            got = torch.load(s["path"])
+            got = torch.load(s["path"], weights_only=True)  # a dict of tensors
             errs = {}
             for n, t in got.items():
                 t = t.double()

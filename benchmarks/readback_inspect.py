@@ -16,7 +16,7 @@ import pathlib
 
 import torch
 
-ACTION, OBSERVATION = 1, 2
+from ds_ttt.data.token_kind import TokenKind
 
 
 def main() -> None:
@@ -39,18 +39,18 @@ def main() -> None:
                                         create_graph=False, update=args.mode == "ttt", record=True)
         by_round = {e.round: e for e in out.records[0]}
         print(f"\n== world seed {world['meta']['seed']}: keys {world['meta']['values']}")
-        rounds = [(rb["round"], OBSERVATION) for rb in world["meta"]["readbacks"]]
-        rounds.append((world["meta"]["memory_checks"][0]["round"], ACTION))
+        rounds = [(rb["round"], TokenKind.OBSERVATION) for rb in world["meta"]["readbacks"]]
+        rounds.append((world["meta"]["memory_checks"][0]["round"], TokenKind.ACTION))
         for rnd, kind in rounds:
             ev = by_round[rnd]
             kinds, labels, preds = ev.label_kinds.tolist(), ev.labels.tolist(), ev.argmax.tolist()
             cells = []
             for i, (k, lab, pred) in enumerate(zip(kinds, labels, preds)):
-                closes_obs = kind == OBSERVATION and i > 0 and kinds[i - 1] == OBSERVATION and k != OBSERVATION
+                closes_obs = kind == TokenKind.OBSERVATION and i > 0 and kinds[i - 1] == TokenKind.OBSERVATION and k != TokenKind.OBSERVATION
                 if k == kind or closes_obs:
                     cell = repr(tok.decode([lab]))
                     cells.append(cell if lab == pred else f"{cell}≠{tok.decode([pred])!r}")
-            what = "readback (observation + closing token)" if kind == OBSERVATION else "summary action"
+            what = "readback (observation + closing token)" if kind == TokenKind.OBSERVATION else "summary action"
             wrong = sum("≠" in c for c in cells)
             print(f"  round {rnd} {what}: {wrong} of {len(cells)} tokens wrong")
             print("   ", " ".join(cells))

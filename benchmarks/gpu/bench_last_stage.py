@@ -46,9 +46,9 @@ for p in (str(HERE), str(REPO)):
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from ds_ttt.data.token_kind import TokenKind  # noqa: E402
 from gpu_results import PhaseRecord  # noqa: E402
 
-CONTEXT, ACTION, OBSERVATION = 0, 1, 2
 HEADER_TOKENS = 2  # assistant-turn header (context) before each action
 SEPARATOR_TOKENS = 1  # context between action and observation, and after the observation
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -66,9 +66,9 @@ def synthetic_trajectory(num_tokens: int, *, prompt: int, action: int, observati
         raise ValueError("prompt, action and observation must each be >= 1 token")
     if num_tokens <= prompt:
         raise ValueError(f"num_tokens={num_tokens} must exceed the prompt ({prompt} tokens)")
-    one_round = ([CONTEXT] * HEADER_TOKENS + [ACTION] * action + [CONTEXT] * SEPARATOR_TOKENS
-                 + [OBSERVATION] * observation + [CONTEXT] * SEPARATOR_TOKENS)
-    kinds, rounds = [CONTEXT] * prompt, [0] * prompt
+    one_round = ([TokenKind.CONTEXT] * HEADER_TOKENS + [TokenKind.ACTION] * action + [TokenKind.CONTEXT] * SEPARATOR_TOKENS
+                 + [TokenKind.OBSERVATION] * observation + [TokenKind.CONTEXT] * SEPARATOR_TOKENS)
+    kinds, rounds = [TokenKind.CONTEXT] * prompt, [0] * prompt
     r = 0
     while len(kinds) < num_tokens:
         r += 1
@@ -143,7 +143,7 @@ def step_checks(info: dict, hidden_1TC: torch.Tensor, suffix, rounds_1T, kinds_1
                    f"{sum(x > 0 for x in pnorms)}/{len(pnorms)} non-zero"))
     # Label position t (round rounds[t]) predicts token t+1, so a round is "observed" when some
     # t in it has kinds[t+1] == observation (the event loop's rule).
-    obs_rounds = len({r for r, k in zip(rounds_1T[0, :-1].tolist(), kinds_1T[0, 1:].tolist()) if k == OBSERVATION})
+    obs_rounds = len({r for r, k in zip(rounds_1T[0, :-1].tolist(), kinds_1T[0, 1:].tolist()) if k == TokenKind.OBSERVATION})
     checks.append(("one inner update per observed round",
                    info["num_updates"] + info["num_skipped"] == obs_rounds and info["num_skipped"] == 0,
                    f"updates={info['num_updates']} skipped={info['num_skipped']} observed rounds={obs_rounds}"))

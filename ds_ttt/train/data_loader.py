@@ -25,7 +25,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-PAD_KIND = -1
+from ds_ttt.data.token_kind import TokenKind
+
 PAD_ID = 0
 
 
@@ -46,7 +47,7 @@ def collate(rows, *, bucket: int, capacity: int):
     longest = max(len(r[0]) for r in rows)
     t = min(-(-longest // bucket) * bucket, max(capacity, longest))
     ids = torch.full((len(rows), t), PAD_ID, dtype=torch.long)
-    kinds = torch.full((len(rows), t), PAD_KIND, dtype=torch.long)
+    kinds = torch.full((len(rows), t), TokenKind.PAD, dtype=torch.long)
     rounds = torch.zeros((len(rows), t), dtype=torch.long)
     for b, (i, k, r) in enumerate(rows):
         n = len(i)

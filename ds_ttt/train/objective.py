@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ds_ttt.config import TTTConfig
-from ds_ttt.model.event_loop import ACTION, PAD, observation_labels
+from ds_ttt.data.token_kind import TokenKind
+from ds_ttt.model.event_loop import observation_labels
 
 
 def count_loss_tokens(kinds_BT: torch.Tensor, rounds_BT: torch.Tensor, *, obs_loss_with_end: bool) -> tuple[int, int]:
@@ -42,9 +43,9 @@ def count_loss_tokens(kinds_BT: torch.Tensor, rounds_BT: torch.Tensor, *, obs_lo
     num_action = num_obs = 0
     kinds_BT, rounds_BT = kinds_BT.cpu(), rounds_BT.cpu()  # host tensors from the data loader: no device sync
     for kinds, rounds in zip(kinds_BT, rounds_BT):
-        n = int((kinds != PAD).sum())
+        n = int((kinds != TokenKind.PAD).sum())
         label_kinds = kinds[1:n]
-        num_action += int((label_kinds == ACTION).sum())
+        num_action += int((label_kinds == TokenKind.ACTION).sum())
         starts = [0] + (torch.nonzero(rounds[1:n] != rounds[:n - 1]).squeeze(1) + 1).tolist()
         for start, end in zip(starts, starts[1:] + [n]):
             lk = label_kinds[start:min(end, n - 1)]

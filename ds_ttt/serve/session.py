@@ -46,12 +46,12 @@ import torch.nn.functional as F
 from ds_ttt.data.render import (
     parse_assistant_message, render_action, render_action_end, render_generation_prompt, render_message,
     render_trajectory)
+from ds_ttt.data.token_kind import TokenKind
 from ds_ttt.model.event_loop import observation_labels
 from ds_ttt.model.fast_weights import inner_loop_weights, inner_sgd_step
 from ds_ttt.ops.flashbob import attention
 from ds_ttt.serve.kv_cache import KVCache
 
-CONTEXT, ACTION, OBSERVATION = 0, 1, 2
 
 
 def default_system_prompt() -> str:
@@ -379,7 +379,7 @@ class AgentSession:
         # commit
         n = len(prompt) + len(action) + len(end)
         s.ids += prompt + action + end
-        s.kinds += [CONTEXT] * len(prompt) + [ACTION] * len(action) + [CONTEXT] * len(end)
+        s.kinds += [TokenKind.CONTEXT] * len(prompt) + [TokenKind.ACTION] * len(action) + [TokenKind.CONTEXT] * len(end)
         s.rounds += [r] * n
         s.num_slots, s.round_start, s.round_slot = slot0 + n, start, slot0
         s.round, s.phase = r, "acted"

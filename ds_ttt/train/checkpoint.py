@@ -128,8 +128,12 @@ def layout_from_info(info: RunInfo) -> Layout:
 
 def resolved_config(*, run, backbone, ds: dict, plan, layout: Layout, manifest_path: str,
                     manifest_sha256: str, data_stage: int = 0, stage_start_step: int = 0,
-                    history: list | None = None, data_order: dict | None = None) -> dict[str, Any]:
-    """The JSON saved beside every checkpoint and as RUN_DIR/run_config.json (RunInfo reads it back)."""
+                    history: list | None = None, data_order: dict | None = None,
+                    tokenizer: dict | None = None) -> dict[str, Any]:
+    """The JSON saved beside every checkpoint and as RUN_DIR/run_config.json (RunInfo reads it back).
+
+    `tokenizer` ({"dir", "sha256"}): the tokenizer the training data was rendered with; evaluation,
+    serving and export load it from there and refuse it if its tokenizer.json no longer has that hash."""
     return {
         "format": RUN_FORMAT,
         "run": run.to_dict(),
@@ -144,6 +148,7 @@ def resolved_config(*, run, backbone, ds: dict, plan, layout: Layout, manifest_p
         "stage_start_step": stage_start_step,
         "history": history or [],
         "data_order": data_order,  # train/micro batch, gradient accumulation, dp size: resume checks them
+        "tokenizer": tokenizer,
         "step": 0,
     }
 

@@ -113,6 +113,13 @@ def saved_data_order(info: ckpt.RunInfo) -> dict:
             "data_parallel_size": train // (micro * gas)}
 
 
+def manifest_tokenizer(manifest) -> dict:
+    """The record of the tokenizer a run trains with: the manifest's tokenizer folder and the sha256 of
+    its tokenizer.json (verified when the manifest was loaded)."""
+    tok = manifest.data["tokenizer"]
+    return {"dir": str((manifest.dir / tok["dir"]).resolve()), "sha256": tok["hash"]}
+
+
 def check_reproducible(info: ckpt.RunInfo, data_order: dict, layout) -> None:
     """--resume continues exactly or not at all: the batch layout (which trajectories form each
     micro-batch and each rank's share) and the pipeline (stages, partition) must be the checkpoint's."""
@@ -249,7 +256,7 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
                                manifest_path=run.data, manifest_sha256=manifest.sha256, data_stage=data_stage,
                                stage_start_step=stage_start_step, history=[
                                    {k: h[k] for k in ("data_stage", "manifest", "sha256")} for h in history],
-                               data_order=data_order)
+                               data_order=data_order, tokenizer=manifest_tokenizer(manifest))
 
     check_shared_output(run_dir)  # every rank writes into the checkpoint folders rank 0 renames
     torch.manual_seed(run.seed)

@@ -418,6 +418,37 @@ def test_checkpoint_tokenizer_is_checked_against_the_training_manifest(trimmed, 
         load_for_inference(ckpt)
 
 
+def test_checkpoint_tokenizer_is_checked_against_the_hash_recorded_at_training(trimmed, tmp_path, monkeypatch):
+    """run_config.json's "tokenizer" (written by the trainer, engine.manifest_tokenizer) is the record: it
+    holds without the manifest, and a changed tokenizer is refused naming both hashes."""
+    from ds_ttt import export as export_mod
+    from ds_ttt.data.manifest import load_manifest
+    from ds_ttt.export import load_export, load_for_inference
+    from ds_ttt.train.checkpoint import RunInfo
+    from ds_ttt.train.engine import manifest_tokenizer
+
+    data = tmp_path / "data"
+    shutil.copytree(trimmed / "data", data)
+    record = manifest_tokenizer(load_manifest(data / "manifest.json"))
+    assert record == {"dir": str((data / "tokenizer").resolve()),
+                      "sha256": json.loads((data / "manifest.json").read_text())["tokenizer"]["hash"]}
+    (data / "manifest.json").unlink()  # the manifest is gone; the training record still verifies
+    model = load_export(trimmed / "export")
+    ckpt = tmp_path / "run" / "step_00000010"
+    ckpt.mkdir(parents=True)
+    info = RunInfo(checkpoint=ckpt, step=10, backbone=model.config.to_dict(), ttt=model.ttt.to_dict(), run={},
+                   deepspeed={}, plan={}, manifest_path=str(data / "manifest.json"), manifest_sha256="0" * 64,
+                   model_source={"preset": "tiny"}, layout={}, raw={"tokenizer": record})
+    monkeypatch.setattr(export_mod, "load_training_checkpoint", lambda path, device="cpu": (model, info))
+    loaded = load_for_inference(ckpt)
+    assert loaded.provenance["tokenizer"]["trimmed"] and loaded.provenance["tokenizer"]["recorded_in"].endswith(
+        "run_config.json")
+    tj = data / "tokenizer" / "tokenizer.json"
+    tj.write_text(tj.read_text() + " ")
+    with pytest.raises(ValueError, match=f"tokenizer.json: sha256 [0-9a-f]{{64}} but .*run_config.json.* {record['sha256']}"):
+        load_for_inference(ckpt)
+
+
 # ---- --attention-backend auto == reference at small N ----------------------------------------------
 def test_auto_attention_backend_equals_reference(trimmed, tmp_path):
     from ds_ttt.evaluation.heldout import run_heldout

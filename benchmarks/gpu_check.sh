@@ -10,8 +10,10 @@
 # Phases (each with its own time limit): install what requirements/gpu.txt provides and the check
 # needs (skipping what is present; from .whl/ when that folder holds wheels), build the FlashBoB
 # CUDA op through FlashBoBCUDABuilder, pytest tests/ops, the FlashBoB CUDA benchmark, and one
-# meta-training step of a Qwen3-8B-shaped last pipeline stage at T = 2K / 8K / 16K. Writes
-# environment.json, setup.json, flashbob_cuda.json, last_stage.json, summary.md, gpu_check.log.
+# meta-training step of a Qwen3-8B-shaped last pipeline stage at T = 2K / 8K / 16K, the real
+# `deepspeed launch/train.py` on the GPU (one stage, save + --resume), and each PP4 stage timed alone.
+# Writes environment.json, setup.json, flashbob_cuda.json, last_stage.json, trainer.json,
+# pipeline_balance_gpu.json, summary.md, gpu_check.log.
 # Exit 0: every correctness check passed; 1: a check failed; 2: refused (no CUDA GPU visible —
 # nothing is written) or bad arguments. Python: $PYTHON (default python3), >= 3.10.
 # The work is done by benchmarks/gpu/gpu_check.py; see docs/gpu.md.

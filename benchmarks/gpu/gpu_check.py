@@ -1,6 +1,6 @@
 """The GPU check: validate and measure the CUDA path in one unattended run (stdlib only).
 
-    bash benchmarks/gpu_check.sh [--out DIR] [--wheels DIR] [--phases install,build,tests,flashbob,last_stage]
+    bash benchmarks/gpu_check.sh [--out DIR] [--wheels DIR] [--phases install,build,tests,flashbob,last_stage,trainer,balance]
                                  [--total-s 450] [--budget PHASE=SECONDS ...] [--quick] [--plan]
 
 (benchmarks/gpu_check.sh runs this file with $PYTHON, default python3.) Phases, each in its own
@@ -15,14 +15,18 @@ subprocess with its own time limit, so one slow phase cannot eat the whole windo
   tests       python -m pytest tests/ops (the CUDA correctness tests).
   flashbob    benchmarks/gpu/bench_flashbob_cuda.py: second-order step vs flash-attn vs PyTorch math.
   last_stage  benchmarks/gpu/bench_last_stage.py: Qwen3-8B last-stage meta-training step, T = 2K/8K/16K.
+  trainer     benchmarks/gpu/bench_trainer.py: the real `deepspeed launch/train.py`, one stage, Qwen3-8B
+              shape (36 layers or the most that fit), T = 8K then 4K, AdamW steps, save and --resume.
+  balance     benchmarks/gpu/bench_balance.py: pipeline_balance.py --device cuda, each PP4 stage timed.
 
-Results: DIR (default benchmarks/results/gpu) gets environment.json, setup.json,
-flashbob_cuda.json, last_stage.json, summary.md and gpu_check.log (6 files), rewritten as the
+Results: DIR (default benchmarks/results/gpu) gets environment.json, setup.json, flashbob_cuda.json,
+last_stage.json, trainer.json, pipeline_balance_gpu.json, summary.md and gpu_check.log, rewritten as the
 phases progress; results of an earlier run in DIR are removed first (README.md stays).
 
 Time: --total-s (default 450 s, inside an 8-minute window) is the whole run; a phase's limit is
 min(its own budget, what is left after reserving the minimum of every later phase). A phase
-killed at its limit keeps the rows it finished. Exit status: 0 every correctness check passed;
+killed at its limit keeps the rows it finished; trainer and balance are skipped (their file says
+why) when less than their minimum is left. Exit status: 0 every correctness check passed;
 1 a check failed (setup, tests/ops, benchmark cross-checks, non-finite results); 2 refused: no
 CUDA GPU visible (nothing is written) or bad arguments.
 """
@@ -55,10 +59,16 @@ if str(HERE) not in sys.path:
 from gpu_results import (PhaseRecord, RESULT_FILES, failed_checks, read_json, write_json_atomic,  # noqa: E402
                          write_summary)
 
-PHASES = ("install", "build", "tests", "flashbob", "last_stage")
+PHASES = ("install", "build", "tests", "flashbob", "last_stage", "trainer", "balance")
 # Upper limit of each phase, and the minimum each later phase keeps reserved (seconds).
-BUDGETS = {"install": 240.0, "build": 240.0, "tests": 150.0, "flashbob": 90.0, "last_stage": 150.0}
-MINIMUMS = {"install": 20.0, "build": 60.0, "tests": 30.0, "flashbob": 45.0, "last_stage": 60.0}
+BUDGETS = {"install": 240.0, "build": 240.0, "tests": 150.0, "flashbob": 90.0, "last_stage": 150.0,
+           "trainer": 240.0, "balance": 90.0}
+MINIMUMS = {"install": 20.0, "build": 60.0, "tests": 30.0, "flashbob": 45.0, "last_stage": 60.0,
+            "trainer": 120.0, "balance": 45.0}
+# Phases that write their own result file; below their minimum they are skipped with the reason in it.
+BENCH_FILES = {"flashbob": "flashbob_cuda.json", "last_stage": "last_stage.json", "trainer": "trainer.json",
+               "balance": "pipeline_balance_gpu.json"}
+NEEDS_MINIMUM = ("trainer", "balance")  # pointless in less than their minimum: skipped, not squeezed
 SUMMARY_RESERVE_S = 10.0
 CHILD_STARTUP_S = 20.0  # imports (torch, transformers) and model build before a benchmark's own clock
 NEEDED = ("torch", "deepspeed", "transformers", "safetensors", "ninja", "numpy", "pytest")
@@ -66,8 +76,9 @@ IMPORT_CHECK = ("import torch, deepspeed, transformers, safetensors, ninja, nump
                 "print('imports ok: torch', torch.__version__, 'deepspeed', deepspeed.__version__)")
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu"
 DEFAULT_WHEELS = REPO / ".whl"
-QUICK = {"sizes": "1024,4096", "contexts": "2048", "repeats": "1"}
-FULL = {"sizes": "1024,2048,4096,8192,16384,32768", "contexts": "2048,8192,16384", "repeats": "2"}
+QUICK = {"sizes": "1024,4096", "contexts": "2048", "repeats": "1", "trainer_contexts": "4096"}
+FULL = {"sizes": "1024,2048,4096,8192,16384,32768", "contexts": "2048,8192,16384", "repeats": "2",
+        "trainer_contexts": "8192,4096"}
 
 
 # ---- arguments -----------------------------------------------------------------------------------
@@ -412,6 +423,13 @@ def phase_tests(ctx: "Context", timeout: float) -> None:
     ctx.setup.check("tests/ops: CUDA correctness tests pass", ok, detail)
 
 
+def skip_phase(ctx: "Context", phase: str, reason: str) -> None:
+    """Record a benchmark phase that did not run: its file has status "skipped" and the reason."""
+    rec = PhaseRecord(ctx.out / BENCH_FILES[phase], BENCH_FILES[phase].removesuffix(".json"))
+    rec.note(f"skipped: {reason}")
+    rec.finish("skipped", 0.0)
+
+
 def last_lines(text: str, n: int = 3) -> str:
     """The last `n` non-empty lines (where an error message sits), joined on one line."""
     return " | ".join([ln.strip() for ln in text.splitlines() if ln.strip()][-n:])
@@ -440,6 +458,18 @@ def phase_bench(ctx: "Context", name: str, file_name: str, cmd: list[str], timeo
                                                         "(full output: gpu_check.log)"})
     data["wall_s"] = r["seconds"]
     write_json_atomic(path, data)
+
+
+def phase_command(python: str, phase: str, out: Path, seconds: float, sizes: dict) -> list[str]:
+    """The child command of the trainer or balance phase, its own budget inside the phase limit."""
+    budget = f"{max(seconds - CHILD_STARTUP_S, 10):.0f}"
+    if phase == "trainer":
+        return [python, str(HERE / "bench_trainer.py"), "--out", str(out / BENCH_FILES["trainer"]),
+                "--contexts", sizes["trainer_contexts"], "--budget-s", budget]
+    if phase == "balance":
+        return [python, str(HERE / "bench_balance.py"), "--out", str(out / BENCH_FILES["balance"]),
+                "--budget-s", budget]
+    raise ValueError(f"no child command for phase {phase!r}")
 
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -560,6 +590,13 @@ def main(argv=None) -> int:
         write_environment(ctx, gpu, started, {})
         for p in args.phases:
             seconds = limit(p)
+            if p in NEEDS_MINIMUM and seconds < MINIMUMS[p]:
+                reason = (f"no time left: {seconds:.0f} s of the run's --total-s {args.total_s:.0f} s remain, "
+                          f"the phase needs at least {MINIMUMS[p]:.0f} s (run it alone: --phases {p})")
+                log(f"[gpu_check] phase {p}: skipped, {reason}")
+                phase_times[p] = {"status": f"skipped ({reason})"}
+                skip_phase(ctx, p, reason)
+                continue
             if seconds < min(MINIMUMS[p], 10.0):
                 log(f"[gpu_check] phase {p}: skipped, no time left")
                 phase_times[p] = {"status": "skipped (no time left)"}
@@ -597,6 +634,13 @@ def main(argv=None) -> int:
                        "--contexts", sizes["contexts"], "--repeats", sizes["repeats"], "--backends", backends,
                        "--budget-s", f"{max(seconds - CHILD_STARTUP_S, 10):.0f}"]
                 phase_bench(ctx, "last_stage", "last_stage.json", cmd, seconds)
+            elif p in ("trainer", "balance"):
+                if "build" in args.phases and not built:
+                    skip_phase(ctx, p, "the FlashBoB CUDA op did not build (it runs with attention_backend=cuda)")
+                    phase_times[p] = {"status": "skipped (the CUDA op did not build)"}
+                    continue
+                cmd = phase_command(ctx.python, p, out, seconds, sizes)
+                phase_bench(ctx, BENCH_FILES[p].removesuffix(".json"), BENCH_FILES[p], cmd, seconds)
             phase_times[p] = {"status": "ran", "seconds": round(time.monotonic() - start, 1), "limit_s": round(seconds)}
         ctx.setup.set(phase_times=phase_times)
         ctx.setup.finish("failed" if any(not c["ok"] for c in ctx.setup.data["checks"]) else "ok",

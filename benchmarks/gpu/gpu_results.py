@@ -7,6 +7,9 @@ Every phase of `benchmarks/gpu_check.sh` leaves one JSON file in the results fol
     setup.json           install, FlashBoB CUDA build, tests/ops (pytest counts)
     flashbob_cuda.json   FlashBoB second-order step vs flash-attn fwd+bwd vs PyTorch math, N = 1K..32K
     last_stage.json      one meta-training step of the Qwen3-8B last pipeline stage, T = 2K / 8K / 16K
+    trainer.json         deepspeed launch/train.py on the GPU (one stage): tokens/s, step time, memory
+                         split, loss, save + --resume equality, the layer count that fitted
+    pipeline_balance_gpu.json  each PP4 stage of Qwen3-8B timed alone on the GPU (pipeline_balance.py)
     summary.md           the tables below, rendered from those files
     gpu_check.log        everything the run printed
 
@@ -28,9 +31,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-RESULT_FILES = ("environment.json", "setup.json", "flashbob_cuda.json", "last_stage.json",
-                "summary.md", "gpu_check.log")
-PHASE_FILES = ("setup.json", "flashbob_cuda.json", "last_stage.json")
+RESULT_FILES = ("environment.json", "setup.json", "flashbob_cuda.json", "last_stage.json", "trainer.json",
+                "pipeline_balance_gpu.json", "summary.md", "gpu_check.log")
+PHASE_FILES = ("setup.json", "flashbob_cuda.json", "last_stage.json", "trainer.json", "pipeline_balance_gpu.json")
 STATUSES = ("running", "ok", "failed", "timeout", "skipped")
 
 
@@ -164,6 +167,8 @@ def render_summary(results_dir: str | os.PathLike) -> str:
     setup = read_json(d / "setup.json")
     fb = read_json(d / "flashbob_cuda.json")
     ls = read_json(d / "last_stage.json")
+    tr = read_json(d / "trainer.json")
+    pb = read_json(d / "pipeline_balance_gpu.json")
     fails = failed_checks(d)
     lines = ["# GPU check results", ""]
     lines.append(f"Written by `bash benchmarks/gpu_check.sh` (benchmarks/gpu/). Started {env.get('started', '?')}; "
@@ -189,13 +194,14 @@ def render_summary(results_dir: str | os.PathLike) -> str:
     lines += ["", "## Phases", ""]
     phase_rows = []
     for label, data in (("setup (install, build, tests/ops)", setup), ("FlashBoB CUDA benchmark", fb),
-                        ("last-stage meta-training step", ls)):
+                        ("last-stage meta-training step", ls), ("trainer (deepspeed launch/train.py)", tr),
+                        ("PP4 stage balance", pb)):
         phase_rows.append([label, _status_of(label, data), _fmt((data or {}).get("elapsed_s"))])
     lines += _table(["phase", "status", "seconds"], phase_rows)
 
     lines += ["", "## Correctness checks", ""]
     checks = []
-    for name, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls)):
+    for name, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls), ("trainer", tr), ("balance", pb)):
         for c in (data or {}).get("checks", []):
             checks.append([name, c.get("name", "?"), "PASS" if c.get("ok") else "**FAIL**", c.get("detail", "")])
     lines += _table(["phase", "check", "result", "detail"], checks) if checks else ["(none ran)"]
@@ -237,11 +243,55 @@ def render_summary(results_dir: str | os.PathLike) -> str:
                          _fmt(r.get("step_s")), _fmt(r.get("tokens_per_s")), _gib(r.get("peak_bytes")),
                          _fmt(r.get("loss"))])
         lines += _table(["T", "attention", "status", "events", "step s", "tokens/s", "peak GiB", "loss"], rows)
-    for label, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls)):
+    lines += _trainer_section(tr) + _balance_section(pb)
+    for label, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls), ("trainer", tr), ("balance", pb)):
         notes = (data or {}).get("notes", [])
         if notes:
             lines += ["", f"Notes ({label}):", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _trainer_section(tr) -> list[str]:
+    if not tr or not tr.get("rows"):
+        return []
+    fit = tr.get("layer_fit") or {}
+    tried = ", ".join(f"{a.get('layers')}: {'ran' if a.get('ok') else 'OOM' if a.get('oom') else 'failed'}"
+                      for a in fit.get("attempts", []))
+    lines = ["", "## Trainer on the GPU: deepspeed launch/train.py", "", (tr.get("config") or {}).get("description", ""),
+             "", f"Layers: {fit.get('layers', '?')} of 36 (attempts: {tried or 'none'}).", ""]
+    rows = []
+    for r in tr["rows"]:
+        mem = r.get("memory") or {}
+
+        def part(key):
+            return _gib((mem.get(key) or {}).get("value"))
+        resume = r.get("resume") or {}
+        res = resume.get("status", "–") if resume.get("status") != "ok" else (
+            "equal (exact)" if resume.get("exact") else f"equal within {_fmt(resume.get('max_rel_diff'))}"
+            if resume.get("ok") else f"**differs** ({_fmt(resume.get('max_rel_diff'))})")
+        rows.append([str(r.get("tokens")), r.get("status", "?") + (f" ({r['reason']})" if r.get("reason") else ""),
+                     _fmt(r.get("tokens_per_step")), _fmt(r.get("step_time_s")), _fmt(r.get("tokens_per_s")),
+                     part("peak_bytes"), part("weights_bytes"), part("optimizer_bytes"), part("gradients_bytes"),
+                     part("activations_bytes"), _fmt(r.get("final_loss")), res])
+    lines += _table(["capacity", "status", "tokens/step", "step s", "tokens/s", "peak GiB (measured)",
+                     "weights (computed)", "optimizer (computed)", "grads (computed)",
+                     "activations (peak - computed)", "loss", "resume"], rows)
+    return lines
+
+
+def _balance_section(pb) -> list[str]:
+    if not pb or not pb.get("rows"):
+        return []
+    sched = pb.get("schedule") or {}
+    lines = ["", "## PP4 stages timed alone on the GPU (pipeline_balance.py)", "",
+             f"`{(pb.get('config') or {}).get('command', '')}`", ""]
+    lines += _table(["stage", "fwd s", "bwd s", "fwd+bwd s", "params", "trainable", "activation peak GiB"],
+                    [[str(r.get("stage")), _fmt(r.get("fwd_s")), _fmt(r.get("bwd_s")), _fmt(r.get("total_s")),
+                      _fmt(r.get("params")), _fmt(r.get("trainable_params")), _gib(r.get("activation_peak_bytes"))]
+                     for r in pb["rows"]])
+    lines += ["", f"1F1B step from these stage times: {_fmt(sched.get('step_s'))} s for {sched.get('num_micro', '?')} "
+                  f"micro-batches; bubble {_fmt(sched.get('bubble'))} (uniform stages: {_fmt(sched.get('uniform_bubble'))})."]
+    return lines
 
 
 def write_summary(results_dir: str | os.PathLike) -> Path:

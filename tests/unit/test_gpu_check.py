@@ -113,8 +113,11 @@ def test_phase_limits_keep_later_minimums_and_fit_the_window():
             used += limit
         assert used <= total - gpu_check.SUMMARY_RESERVE_S + 1e-9
     # A slow build cannot take the benchmarks' reserved minimum.
-    later = sum(gpu_check.MINIMUMS[p] for p in ("tests", "flashbob", "last_stage")) + gpu_check.SUMMARY_RESERVE_S
-    assert gpu_check.phase_limit("build", phases, 300.0, {**budgets, "build": 1e9}) == 300.0 - later
+    later = sum(gpu_check.MINIMUMS[p] for p in phases[phases.index("build") + 1:]) + gpu_check.SUMMARY_RESERVE_S
+    assert set(phases[phases.index("build") + 1:]) == {"tests", "flashbob", "last_stage", "trainer", "balance"}
+    assert gpu_check.phase_limit("build", phases, 450.0, {**budgets, "build": 1e9}) == 450.0 - later
+    # every phase's minimum fits the default run
+    assert sum(gpu_check.MINIMUMS.values()) + gpu_check.SUMMARY_RESERVE_S < gpu_check.parse_args([]).total_s
     assert gpu_check.phase_limit("last_stage", phases, 1e9, budgets) == budgets["last_stage"]
     assert gpu_check.phase_limit("tests", phases, 5.0, budgets) == 0.0
 
@@ -295,7 +298,7 @@ def test_summary_renders_every_phase(tmp_path):
 
 def test_summary_of_an_empty_folder_says_not_run(tmp_path):
     text = gpu_results.render_summary(tmp_path)
-    assert text.count("| not run |") == 3 and "(none ran)" in text
+    assert text.count("| not run |") == 5 and "(none ran)" in text
 
 
 # ---- benchmark step functions on CPU ----------------------------------------------------------------------

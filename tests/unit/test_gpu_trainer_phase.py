@@ -1,0 +1,358 @@
+"""The GPU check's trainer and balance phases, without CUDA: the commands they build, the layer-fit
+search against a fake launcher that runs out of memory above N layers, the metrics.jsonl parsing,
+the resume comparison, the memory split against a real meta-device model, the time-budget skips
+(inside the phase and in the runner), and pipeline_balance.py accepting the balance phase's flags.
+
+    .venv/bin/python -m pytest tests/unit/test_gpu_trainer_phase.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_DIR = REPO / "benchmarks" / "gpu"
+sys.path.insert(0, str(GPU_DIR))
+
+import bench_balance  # noqa: E402
+import bench_trainer as bt  # noqa: E402
+import gpu_check  # noqa: E402
+import gpu_results  # noqa: E402
+import train_layers  # noqa: E402
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the behaviour without a CUDA GPU")
+OOM_TAIL = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+def _arg(cmd: list[str], flag: str) -> str | None:
+    return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+
+def _metric(step: int, loss: float) -> dict:
+    return {"step": step, "stage_step": step, "loss": loss, "tokens": 16000 + step, "tokens_per_s": 1000.0 * step,
+            "step_time_s": 10.0 / step, "peak_mem_gb": 40.0 + step}
+
+
+class FakeLauncher:
+    """Stands in for run_child: data commands succeed; a train launch with more than `fits` layers
+    fails with CUDA's out-of-memory message; others write metrics.jsonl like the trainer (a resume
+    cuts it back to the checkpoint's step and re-runs the later steps, `resume_shift` added to their loss)."""
+
+    def __init__(self, fits: int, resume_shift: float = 0.0, fail_other: bool = False):
+        self.fits, self.resume_shift, self.fail_other = fits, resume_shift, fail_other
+        self.commands: list[list[str]] = []
+
+    def loss(self, step: int, tokens: int) -> float:
+        return 12.0 - 0.25 * step + tokens / 1e5
+
+    def __call__(self, cmd, *, timeout, log, prefix="", **_):
+        self.commands.append(cmd)
+        if "-c" in cmd:  # data preparation
+            return {"rc": 0, "timed_out": False, "seconds": 1.0, "tail": "prepared"}
+        run_cfg = json.loads(Path(_arg(cmd, "--run_config")).read_text())
+        layers = 36 if run_cfg["preset"] == "qwen3-8b" else int(_arg(cmd, "--layers"))
+        if layers > self.fits:
+            return {"rc": 1, "timed_out": False, "seconds": 5.0, "tail": f"rank0: ...\n{OOM_TAIL}"}
+        if self.fail_other:
+            return {"rc": 1, "timed_out": False, "seconds": 5.0, "tail": "RuntimeError: no kernel image"}
+        if _arg(cmd, "--resume"):
+            ckpt = Path(_arg(cmd, "--resume"))
+            run_dir, from_step = ckpt.parent, int(ckpt.name.split("_")[1])
+            tokens = int(run_dir.name.split("_")[1])
+            kept = [r for r in bt.read_metrics(run_dir) if r["step"] <= from_step]
+            rows = kept + [_metric(s, self.loss(s, tokens) + self.resume_shift) for s in range(from_step + 1, bt.STEPS + 1)]
+        else:
+            run_dir = Path(_arg(cmd, "--output"))
+            tokens = int(run_dir.name.split("_")[1])
+            rows = [_metric(s, self.loss(s, tokens)) for s in range(1, int(_arg(cmd, "--max_steps")) + 1)]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {"rc": 0, "timed_out": False, "seconds": 30.0, "tail": "done"}
+
+
+# ---- configs and commands ---------------------------------------------------------------------------
+
+def test_generated_configs_are_one_stage_bf16_zero1_adamw_with_flashbob_cuda():
+    ds = bt.deepspeed_config()
+    assert ds["pipeline"]["stages"] == 1 and ds["bf16"] == {"enabled": True}
+    assert ds["zero_optimization"] == {"stage": 1} and ds["optimizer"]["type"] == "AdamW"
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+    run = bt.run_config(36)
+    assert run["preset"] == "qwen3-8b" and bt.run_config(24)["preset"] == "qwen3-8b-24l"
+    assert run["ttt"]["attention_backend"] == "cuda" and run["ttt"]["checkpoint_events"] is True
+    assert run["ttt"]["trainable_scope"] == "prime" and run["save_interval"] == bt.RESUME_FROM
+
+
+def test_generated_run_config_is_one_the_trainer_accepts(tmp_path):
+    from ds_ttt.train.run_config import load_run_config
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(bt.run_config(36)))
+    run = load_run_config(str(path), {"data": "m.json", "output": str(tmp_path / "A"), "max_steps": bt.STEPS}, {})
+    assert run.preset == "qwen3-8b" and run.ttt.attention_backend == "cuda" and run.ttt.checkpoint_events
+    assert run.ttt.adaptive_layers == bt.ADAPTIVE_LAYERS and run.ttt.trainable_scope == "prime"
+
+
+def test_train_command_is_the_deepspeed_launcher_on_launch_train(tmp_path):
+    cmd = bt.train_command("/py", 36, tmp_path, 29500, ["--max_steps", "3"])
+    assert cmd[:7] == ["/py", "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", "29500"]
+    assert cmd[7] == "launch/train.py" and _arg(cmd, "--deepspeed_config") == str(tmp_path / "ds.json")
+    assert _arg(cmd, "--run_config") == str(tmp_path / "run_36.json") and cmd[-2:] == ["--max_steps", "3"]
+    fewer = bt.train_command("/py", 24, tmp_path, 29500, [])
+    assert fewer[7] == str(GPU_DIR / "train_layers.py") and _arg(fewer, "--layers") == "24"
+    assert _arg(fewer, "--run_config") == str(tmp_path / "run_24.json")
+
+
+def test_train_layers_registers_a_smaller_qwen3_8b_preset():
+    layers, rest = train_layers.split_layers(["--local_rank=0", "--layers", "24", "--run_config", "r.json"])
+    assert (layers, rest) == (24, ["--local_rank=0", "--run_config", "r.json"])
+    from ds_ttt.model.presets import backbone_config
+    name = train_layers.register(24)
+    cfg, full = backbone_config(name), backbone_config("qwen3-8b")
+    assert cfg.num_hidden_layers == 24
+    assert {**cfg.to_dict(), "num_hidden_layers": 36} == full.to_dict()
+    with pytest.raises(SystemExit, match="must be an integer"):
+        train_layers.split_layers(["--layers", "many"])
+    with pytest.raises(SystemExit, match="1..36"):
+        train_layers.register(40)
+
+
+def test_data_command_prepares_a_manifest_with_the_real_tools(tmp_path):
+    """The exact child the phase runs, on CPU: generator + prepare at capacity 4096."""
+    cmd = bt.data_command(sys.executable, tmp_path / "d", 4096, 4)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    manifest = json.loads((tmp_path / "d" / "data" / "manifest.json").read_text())
+    assert manifest["tokenizer"].get("trimmed") in (None, False)  # full Qwen3 vocabulary, like the 8B
+
+
+# ---- the layer fit, metrics, memory -------------------------------------------------------------------
+
+def test_layer_fit_tries_36_then_fewer_until_one_runs():
+    calls = []
+
+    def attempt(n):
+        calls.append(n)
+        return {"ok": n <= 24, "oom": n > 24, "seconds": 1.0}
+    layers, tried = bt.fit_layers(attempt)
+    assert layers == 24 and calls == [36, 30, 24]
+    assert [(t["layers"], t["ok"], t["oom"]) for t in tried] == [(36, False, True), (30, False, True), (24, True, False)]
+    # a failure that is not out-of-memory stops the search: fewer layers would not fix it
+    layers, tried = bt.fit_layers(lambda n: {"ok": False, "oom": False, "error": "no kernel image"})
+    assert layers is None and len(tried) == 1
+    # nothing fits
+    assert bt.fit_layers(lambda n: {"ok": False, "oom": True})[0] is None
+
+
+def test_oom_detection():
+    assert bt.is_oom(OOM_TAIL) and bt.is_oom("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED")
+    assert not bt.is_oom("RuntimeError: CUDA error: an illegal memory access was encountered")
+
+
+def test_parameter_counts_match_the_real_model_on_the_meta_device():
+    from ds_ttt.config import TTTConfig
+    from ds_ttt.model.presets import qwen3_8b_config
+    from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+
+    for layers in (36, 12):
+        cfg = qwen3_8b_config()
+        cfg.num_hidden_layers = layers
+        with torch.device("meta"):
+            model = TTTQwen3ForCausalLM(cfg, TTTConfig(adaptive_layers=bt.ADAPTIVE_LAYERS, trainable_scope="prime"))
+        total = sum(p.numel() for p in model.parameters())
+        prime = sum(p.numel() for n, p in model.named_parameters() if ".prime_" in n)
+        counts = bt.parameter_counts(layers)
+        assert counts == {"total": total, "trainable": prime}, layers
+
+
+def test_memory_split_labels_and_adds_up():
+    counts = {"total": 1000, "trainable": 100}
+    m = bt.memory_split(10_000.0, counts)
+    assert m["weights_bytes"]["value"] == 2000 and m["optimizer_bytes"]["value"] == 1200
+    assert m["gradients_bytes"]["value"] == 600 and m["activations_bytes"]["value"] == 10_000 - 3800
+    assert m["peak_bytes"]["how"].startswith("measured") and m["weights_bytes"]["how"].startswith("computed")
+    assert "measured peak minus" in m["activations_bytes"]["how"]
+
+
+def test_metrics_parsing_drops_the_warmup_step(tmp_path):
+    rows = [_metric(1, 12.0), _metric(2, 11.5), _metric(3, 11.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    s = bt.summarize_run(bt.read_metrics(tmp_path))
+    assert s["steps"] == [1, 2, 3] and s["final_loss"] == 11.0 and s["warmup_dropped"]
+    assert s["tokens_per_s"] == 2500.0 and s["step_time_s"] == pytest.approx((5.0 + 10 / 3) / 2)
+    assert s["peak_bytes"] == 43.0 * 2**30  # the max over every step, warm-up included
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not JSON"):
+        bt.read_metrics(tmp_path)
+    with pytest.raises(ValueError, match="no steps"):
+        bt.summarize_run([])
+
+
+def test_resume_comparison():
+    first = [_metric(1, 12.0), _metric(2, 11.5), _metric(3, 11.0)]
+    same = bt.compare_resume(first, [_metric(1, 12.0), _metric(2, 11.5), _metric(3, 11.0)], 2)
+    assert same["ok"] and same["exact"] and same["max_rel_diff"] == 0.0
+    close = bt.compare_resume(first, first[:2] + [_metric(3, 11.0 * (1 + 2 ** -10))], 2)
+    assert close["ok"] and not close["exact"]
+    off = bt.compare_resume(first, first[:2] + [_metric(3, 11.2)], 2)
+    assert not off["ok"] and "step 3: 11.0 vs 11.2" in off["detail"]
+    missing = bt.compare_resume(first, first[:2], 2)
+    assert not missing["ok"] and "steps differ" in missing["detail"]
+
+
+# ---- the phase end to end with a fake launcher -----------------------------------------------------------
+
+def test_trainer_phase_fits_layers_resumes_and_records(tmp_path):
+    fake = FakeLauncher(fits=24)
+    out = tmp_path / "trainer.json"
+    rec = bt.run(out=str(out), contexts=[8192, 4096], budget_s=3600, python="/py", runner=fake, scratch=tmp_path,
+                 free_bytes=lambda: 10**15)
+    data = json.loads(out.read_text())
+    assert data["status"] == "ok" and rec.data == data
+    assert data["layer_fit"]["layers"] == 24
+    assert [(a["layers"], a["oom"]) for a in data["layer_fit"]["attempts"]] == [(36, True), (30, True), (24, False)]
+    big, small = data["rows"]
+    assert (big["tokens"], small["tokens"]) == (8192, 4096) and big["layers"] == small["layers"] == 24
+    assert big["resume"]["ok"] and big["resume"]["exact"] and "resume" not in small  # resume once, at 8K
+    assert big["final_loss"] == fake.loss(3, 8192) and big["tokens_per_s"] == 2500.0
+    assert big["memory"]["weights_bytes"]["value"] == 2 * bt.parameter_counts(24)["total"]
+    assert big["memory"]["peak_bytes"]["value"] == 43.0 * 2**30
+    # the 4K run goes straight to the layer count that fitted; the resume names the step-2 checkpoint
+    trains = [c for c in fake.commands if "-c" not in c]
+    assert [_arg(c, "--layers") for c in trains] == [None, "30", "24", "24", "24", "24"]
+    assert [_arg(c, "--save_interval") for c in trains] == ["0", "0", "0", str(bt.RESUME_FROM), None, "0"]
+    assert _arg(trains[4], "--resume").endswith(f"R_8192_24l/step_{bt.RESUME_FROM:08d}")
+    assert big["resume"]["layers"] == 24 and "why_fewer_layers" not in big["resume"]
+    assert not list(tmp_path.glob("gpu_trainer.*"))  # checkpoints and data removed
+    text = gpu_results.render_summary(tmp_path)
+    assert "Layers: 24 of 36 (attempts: 36: OOM, 30: OOM, 24: ran)" in text
+    assert "| 8192 | ok |" in text and "equal (exact)" in text
+
+
+def test_trainer_phase_fails_when_the_resume_gives_other_losses(tmp_path):
+    out = tmp_path / "trainer.json"
+    bt.run(out=str(out), contexts=[8192], budget_s=3600, python="/py", runner=FakeLauncher(fits=36, resume_shift=0.5),
+           scratch=tmp_path, free_bytes=lambda: 10**15)
+    data = json.loads(out.read_text())
+    assert data["status"] == "failed" and data["layer_fit"]["layers"] == 36
+    assert [c["name"] for c in data["checks"] if not c["ok"]] == ["trainer T=8192: resume equals the uninterrupted run"]
+    assert gpu_results.failed_checks(tmp_path)
+
+
+def test_trainer_phase_stops_the_fit_at_a_failure_that_is_not_oom(tmp_path):
+    out = tmp_path / "trainer.json"
+    bt.run(out=str(out), contexts=[8192, 4096], budget_s=3600, python="/py",
+           runner=FakeLauncher(fits=36, fail_other=True), scratch=tmp_path)
+    data = json.loads(out.read_text())
+    assert data["status"] == "failed" and data["layer_fit"]["layers"] is None
+    assert len(data["layer_fit"]["attempts"]) == 1 and "no kernel image" in data["layer_fit"]["attempts"][0]["error"]
+
+
+def test_trainer_phase_skips_what_the_budget_cannot_hold(tmp_path):
+    out = tmp_path / "trainer.json"
+    fake = FakeLauncher(fits=36)
+    bt.run(out=str(out), contexts=[8192, 4096], budget_s=bt.LAUNCH_STARTUP_S - 1, python="/py", runner=fake,
+           scratch=tmp_path)
+    data = json.loads(out.read_text())
+    assert fake.commands == []
+    assert [r["status"] for r in data["rows"]] == ["skipped", "skipped"]
+    assert all("budget spent" in r["reason"] for r in data["rows"])
+
+
+def test_resume_check_uses_the_layers_whose_checkpoints_fit_the_disk(tmp_path):
+    one36 = bt.checkpoint_bytes(36)
+    assert 30 * 2**30 < one36 < 36 * 2**30  # ~16 GB bf16 weights + ~16 GB AdamW state of the prime MLPs
+    assert bt.resume_layers(36, 10 * one36) == 36
+    free = int(3 * bt.checkpoint_bytes(18) / 0.9) + 1  # three 18-layer checkpoints fit, three 24-layer do not
+    assert bt.resume_layers(36, free) == 18 and bt.resume_layers(12, free) == 12
+    assert bt.resume_layers(36, 2**30) is None
+    out = tmp_path / "trainer.json"
+    fake = FakeLauncher(fits=36)
+    bt.run(out=str(out), contexts=[8192], budget_s=3600, python="/py", runner=fake, scratch=tmp_path,
+           free_bytes=lambda: free)
+    data = json.loads(out.read_text())
+    res = data["rows"][0]["resume"]
+    assert data["status"] == "ok" and data["rows"][0]["layers"] == 36
+    assert res["layers"] == 18 and "do not fit the disk" in res["why_fewer_layers"] and res["exact"]
+    bt.run(out=str(out), contexts=[8192], budget_s=3600, python="/py", runner=FakeLauncher(fits=36),
+           scratch=tmp_path, free_bytes=lambda: 2**30)
+    res = json.loads(out.read_text())["rows"][0]["resume"]
+    assert res["status"] == "skipped" and "exceed 90% of the 1 GiB free" in res["reason"]
+
+
+# ---- the balance phase ------------------------------------------------------------------------------------
+
+def test_balance_command_flags_are_pipeline_balance_flags():
+    """pipeline_balance.py parses the phase's flags and refuses only for want of CUDA."""
+    cmd = bench_balance.balance_command(sys.executable, Path("/tmp/unused"))
+    for flag, value in (("--device", "cuda"), ("--preset", "qwen3-8b"), ("--tokens", "8192"), ("--dtype", "bf16"),
+                        ("--ttt", "attention_backend=cuda"), ("--layouts", "PP4xDP1")):
+        assert _arg(cmd, flag) == value
+    if torch.cuda.is_available():
+        return
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2 and "--device cuda: no CUDA device is visible" in r.stderr, r.stderr[-1500:]
+
+
+def test_balance_phase_turns_the_script_output_into_stage_rows(tmp_path):
+    res = json.loads((REPO / "benchmarks" / "results" / "pipeline_balance.json").read_text())  # a real CPU run
+
+    def fake(cmd, *, timeout, log, prefix="", **_):
+        out_dir = Path(_arg(cmd, "--out"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "pipeline_balance.json").write_text(json.dumps(res))
+        return {"rc": 0, "timed_out": False, "seconds": 50.0, "tail": ""}
+    out = tmp_path / "pipeline_balance_gpu.json"
+    bench_balance.run(out=str(out), budget_s=90, python="/py", runner=fake)
+    data = json.loads(out.read_text())
+    assert data["status"] == "ok" and [r["stage"] for r in data["rows"]] == [0, 1, 2, 3]
+    want = res["stage_times"]["PP4xDP1"][3]
+    assert data["rows"][3]["fwd_s"] == want["fwd_s"]["median"] and data["rows"][3]["bwd_s"] == want["bwd_s"]["median"]
+    assert data["schedule"]["bubble"] == res["schedule"]["PP4xDP1"]["bubble"]
+    assert "## PP4 stages timed alone on the GPU" in gpu_results.render_summary(tmp_path)
+
+
+def test_balance_phase_records_a_timeout(tmp_path):
+    def fake(cmd, *, timeout, log, prefix="", **_):
+        return {"rc": -9, "timed_out": True, "seconds": timeout, "tail": "stage 2 ..."}
+    out = tmp_path / "pipeline_balance_gpu.json"
+    bench_balance.run(out=str(out), budget_s=30, python="/py", runner=fake)
+    data = json.loads(out.read_text())
+    assert data["status"] == "timeout" and not data["checks"][0]["ok"] and "timed out after 30 s" in data["checks"][0]["detail"]
+
+
+# ---- the runner ------------------------------------------------------------------------------------------
+
+def test_runner_builds_the_phase_commands(tmp_path):
+    cmd = gpu_check.phase_command("/py", "trainer", tmp_path, 240.0, gpu_check.FULL)
+    assert cmd[1] == str(GPU_DIR / "bench_trainer.py") and _arg(cmd, "--out") == str(tmp_path / "trainer.json")
+    assert _arg(cmd, "--contexts") == "8192,4096" and _arg(cmd, "--budget-s") == f"{240 - gpu_check.CHILD_STARTUP_S:.0f}"
+    cmd = gpu_check.phase_command("/py", "balance", tmp_path, 90.0, gpu_check.QUICK)
+    assert cmd[1] == str(GPU_DIR / "bench_balance.py") and _arg(cmd, "--out") == str(tmp_path / "pipeline_balance_gpu.json")
+    with pytest.raises(ValueError):
+        gpu_check.phase_command("/py", "tests", tmp_path, 90.0, gpu_check.FULL)
+
+
+@NO_CUDA
+def test_runner_skips_the_phases_when_the_run_has_no_time_left(tmp_path, monkeypatch):
+    out = tmp_path / "res"
+    monkeypatch.setattr(gpu_check, "detect_gpu", lambda python: {"source": "test", "name": "Fake GPU",
+                                                                  "driver": "0", "memory_gib": 1.0, "count": 1})
+    started = []
+    monkeypatch.setattr(gpu_check, "phase_bench", lambda *a, **k: started.append(a))
+    rc = gpu_check.main(["--out", str(out), "--phases", "trainer,balance", "--total-s", "50"])
+    assert rc == 0 and started == []  # nothing ran, nothing failed: skipped with the reason
+    for name in ("trainer.json", "pipeline_balance_gpu.json"):
+        data = json.loads((out / name).read_text())
+        assert data["status"] == "skipped" and "no time left" in data["notes"][0] and "needs at least" in data["notes"][0]
+    env = json.loads((out / "environment.json").read_text())
+    assert env["phases"]["trainer"]["status"].startswith("skipped (no time left")
+    assert "| trainer (deepspeed launch/train.py) | skipped |" in (out / "summary.md").read_text()

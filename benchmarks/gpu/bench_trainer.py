@@ -266,14 +266,22 @@ def run(*, out: str, contexts: list[int], budget_s: float, python: str = sys.exe
                 rec.check(f"trainer T={ctx_tokens}: run completes", False, str(a["error"]))
                 rec.add_row({**row, "status": "timeout" if a["timed_out"] else "failed", "layers": layers})
                 continue
-        first = read_metrics(run_dir(layers))
-        summary = summarize_run(first)
+        try:
+            summary = summarize_run(read_metrics(run_dir(layers)))
+        except (OSError, ValueError, KeyError) as e:
+            rec.check(f"trainer T={ctx_tokens}: metrics.jsonl has the steps", False, f"{type(e).__name__}: {e}")
+            rec.add_row({**row, "status": "failed", "layers": layers, "reason": "no usable metrics.jsonl"})
+            continue
+        finally:
+            shutil.rmtree(run_dir(layers), ignore_errors=True)  # a checkpoint of ~8B parameters: free the disk
         row.update(status="ok", layers=layers, **summary,
                    memory=memory_split(summary["peak_bytes"], parameter_counts(layers)))
-        shutil.rmtree(run_dir(layers), ignore_errors=True)  # a checkpoint of ~8B parameters: free the disk
+        if k == 0:  # the row is on disk before the resume check, which the phase limit may kill
+            row["resume"] = {"status": "running"}
+        rec.add_row(row)
         if k == 0:
             row["resume"] = resume_check(rec, launch, args_for, run_dir, layers, ctx_tokens, free_bytes(), left())
-        rec.add_row(row)
+            rec.save()
     rec.finish("failed" if any(not c["ok"] for c in rec.data["checks"]) else "ok", time.monotonic() - t0)
     shutil.rmtree(tmp, ignore_errors=True)
     return rec

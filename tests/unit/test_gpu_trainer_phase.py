@@ -287,6 +287,37 @@ def test_resume_check_uses_the_layers_whose_checkpoints_fit_the_disk(tmp_path):
     assert res["status"] == "skipped" and "exceed 90% of the 1 GiB free" in res["reason"]
 
 
+def test_trainer_phase_records_a_launch_that_left_no_metrics(tmp_path):
+    class NoMetrics(FakeLauncher):
+        def __call__(self, cmd, **kw):
+            r = super().__call__(cmd, **kw)
+            if "--output" in cmd:
+                (Path(_arg(cmd, "--output")) / "metrics.jsonl").unlink(missing_ok=True)
+            return r
+    out = tmp_path / "trainer.json"
+    bt.run(out=str(out), contexts=[8192], budget_s=3600, python="/py", runner=NoMetrics(fits=36), scratch=tmp_path)
+    data = json.loads(out.read_text())
+    assert data["status"] == "failed" and data["rows"][0]["reason"] == "no usable metrics.jsonl"
+    assert [c["name"] for c in data["checks"] if not c["ok"]] == ["trainer T=8192: metrics.jsonl has the steps"]
+
+
+def test_trainer_row_is_on_disk_before_the_resume_check_runs(tmp_path):
+    """The phase limit may kill the resume launches: the measured row must already be in the file."""
+    out = tmp_path / "trainer.json"
+    seen = []
+
+    class Watching(FakeLauncher):
+        def __call__(self, cmd, **kw):
+            if "--resume" in cmd or "R_" in (_arg(cmd, "--output") or ""):
+                seen.append(json.loads(out.read_text())["rows"])
+            return super().__call__(cmd, **kw)
+    bt.run(out=str(out), contexts=[8192], budget_s=3600, python="/py", runner=Watching(fits=36), scratch=tmp_path,
+           free_bytes=lambda: 10**15)
+    assert len(seen) == 2 and all(rows and rows[0]["status"] == "ok" for rows in seen)
+    assert seen[0][0]["resume"] == {"status": "running"}
+    assert json.loads(out.read_text())["rows"][0]["resume"]["status"] == "ok"
+
+
 # ---- the balance phase ------------------------------------------------------------------------------------
 
 def test_balance_command_flags_are_pipeline_balance_flags():

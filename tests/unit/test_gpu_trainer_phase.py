@@ -54,7 +54,7 @@ class FakeLauncher:
 
     def __call__(self, cmd, *, timeout, log, prefix="", **_):
         self.commands.append(cmd)
-        if "-c" in cmd:  # data preparation
+        if "--prepare-data" in cmd:  # data preparation
             return {"rc": 0, "timed_out": False, "seconds": 1.0, "tail": "prepared"}
         run_cfg = json.loads(Path(_arg(cmd, "--run_config")).read_text())
         layers = 36 if run_cfg["preset"] == "qwen3-8b" else int(_arg(cmd, "--layers"))
@@ -123,14 +123,40 @@ def test_train_layers_registers_a_smaller_qwen3_8b_preset():
         train_layers.register(40)
 
 
-def test_data_command_prepares_a_manifest_with_the_real_tools(tmp_path):
-    """The exact child the phase runs, on CPU: generator + prepare at capacity 4096."""
+def test_data_command_prepares_long_sessions_with_the_real_tools(tmp_path):
+    """The exact child the phase runs, on CPU: generator, lengthening, prepare at capacity 4096."""
     cmd = bt.data_command(sys.executable, tmp_path / "d", 4096, 4)
+    assert cmd[1] == str(GPU_DIR / "bench_trainer.py") and cmd[2] == "--prepare-data"
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     manifest = json.loads((tmp_path / "d" / "data" / "manifest.json").read_text())
-    assert manifest["tokenizer"].get("trimmed") in (None, False)  # full Qwen3 vocabulary, like the 8B
+    assert manifest["tokenizer"]["trimmed"] is False  # full Qwen3 vocabulary, like the 8B
+    train = manifest["splits"]["train"]
+    assert train["num_trajectories"] == 4 and not manifest["excluded_by_capacity"]
+    per = train["tokens"]["total"] / train["num_trajectories"]
+    assert 0.6 * 4096 < per <= 4096, per  # long sessions near the capacity, none dropped
+
+
+def test_lengthen_chains_real_tool_rounds_with_unique_call_ids():
+    def session(i, rounds):
+        msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": f"task {i}"}]
+        for r in range(rounds):
+            msgs += [{"role": "assistant", "content": "", "tool_calls": [{"id": f"c{r}", "type": "function",
+                                                                           "function": {"name": "bash", "arguments": "{}"}}]},
+                     {"role": "tool", "tool_call_id": f"c{r}", "content": f"out {i}.{r}"}]
+        return {"id": f"s{i}", "messages": msgs + [{"role": "assistant", "content": f"done {i}"}]}
+    records = [session(0, 1), session(1, 2)]
+    long = bt.lengthen(records, target_chars=2000)
+    for rec, base in zip(long, records):
+        msgs = rec["messages"]
+        assert msgs[:2] == base["messages"][:2] and msgs[-1] == base["messages"][-1]
+        assert len(json.dumps(msgs)) >= 2000 - len(json.dumps(msgs[-1]))
+        calls = [c["id"] for m in msgs for c in m.get("tool_calls") or []]
+        results = [m["tool_call_id"] for m in msgs if m["role"] == "tool"]
+        assert calls == results and len(set(calls)) == len(calls)  # every call answered, ids unique
+        assert all(m["role"] != "assistant" or m.get("tool_calls") for m in msgs[2:-1])  # no answer mid-session
+    assert long[0]["id"] == "s0-long2000" and records[0]["messages"][2]["tool_calls"][0]["id"] == "c0"  # inputs kept
 
 
 # ---- the layer fit, metrics, memory -------------------------------------------------------------------
@@ -225,7 +251,7 @@ def test_trainer_phase_fits_layers_resumes_and_records(tmp_path):
     assert big["memory"]["weights_bytes"]["value"] == 2 * bt.parameter_counts(24)["total"]
     assert big["memory"]["peak_bytes"]["value"] == 43.0 * 2**30
     # the 4K run goes straight to the layer count that fitted; the resume names the step-2 checkpoint
-    trains = [c for c in fake.commands if "-c" not in c]
+    trains = [c for c in fake.commands if "--prepare-data" not in c]
     assert [_arg(c, "--layers") for c in trains] == [None, "30", "24", "24", "24", "24"]
     assert [_arg(c, "--save_interval") for c in trains] == ["0", "0", "0", str(bt.RESUME_FROM), None, "0"]
     assert _arg(trains[4], "--resume").endswith(f"R_8192_24l/step_{bt.RESUME_FROM:08d}")

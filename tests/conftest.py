@@ -30,3 +30,13 @@ def tiny_qwen3_config():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module whose models are tiny (thread start-up dominates on 2 cores);
+    use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

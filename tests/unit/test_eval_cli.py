@@ -19,12 +19,7 @@ from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def load_script(rel):

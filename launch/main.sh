@@ -6,7 +6,7 @@
 #
 #   bash setup.sh && bash launch/main.sh [WORK_DIR]        # WORK_DIR defaults to runs/main
 #
-# About 25 minutes on a 2-core CPU machine, most of it training (MAX_STEPS). Environment knobs:
+# About 35-38 minutes on a 2-core CPU machine (measured 2026-12-01), most of it training (MAX_STEPS). Environment knobs:
 #   NUM_TRAJ (300)   trajectories of the main corpus; 10% of them (by group hash) are the held-out split
 #   NUM_EXTRA (600)  extra memory-family episodes, another seed, added to the train split only
 #                    (prepare.py --train-only: the held-out split stays exactly the main corpus's)

@@ -50,7 +50,7 @@ for p in (str(HERE), str(REPO)):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gpu_results import PhaseRecord  # noqa: E402
+from gpu_results import PhaseRecord, positive_ints  # noqa: E402
 
 FLOP_MODEL = ("per query head: fwd 4·N²·D, bwd 10·N²·D, bwd-over-bwd 36·N²·D; x0.5 causal; "
               "bob step = fwd + bwd + bwd-over-bwd = 50·N²·D, fwd+bwd = 14·N²·D")
@@ -282,13 +282,7 @@ def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: boo
 
 
 def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return sorted(values)
+    return sorted(positive_ints(text))
 
 
 def parse_args(argv=None):

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ds_ttt.data.token_kind import TokenKind  # noqa: E402
-from gpu_results import PhaseRecord  # noqa: E402
+from gpu_results import PhaseRecord, positive_ints  # noqa: E402
 
 HEADER_TOKENS = 2  # assistant-turn header (context) before each action
 SEPARATOR_TOKENS = 1  # context between action and observation, and after the observation
@@ -300,13 +300,7 @@ def run(*, out: str, contexts: list[int], backends: list[str], repeats: int = 2,
 
 
 def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return sorted(values)
+    return sorted(positive_ints(text))
 
 
 def _str_list(choices):

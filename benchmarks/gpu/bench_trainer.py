@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from gpu_check import REPO, Log, last_lines, run_child
-from gpu_results import PhaseRecord
+from gpu_results import PhaseRecord, positive_ints
 
 HERE = Path(__file__).resolve().parent
 LAYER_CANDIDATES = (36, 30, 24, 18, 12)
@@ -362,16 +362,6 @@ def resume_check(rec: PhaseRecord, launch, args_for, run_dir, fitted: int, ctx_t
     return {"status": "ok", **info, **cmp}
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--prepare-data"]:
@@ -379,7 +369,7 @@ def main(argv=None) -> int:
         return prepare_data(Path(out), int(capacity), int(num), int(seed))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the phase's JSON file (e.g. benchmarks/results/gpu/trainer.json)")
-    ap.add_argument("--contexts", type=_ints, default=[8192, 4096],
+    ap.add_argument("--contexts", type=positive_ints, default=[8192, 4096],
                     help="capacities in tokens; the first does the layer fit and the resume check")
     ap.add_argument("--budget-s", type=float, default=240.0)
     a = ap.parse_args(argv)

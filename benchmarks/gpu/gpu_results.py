@@ -24,6 +24,7 @@ that is killed at its time limit still leaves every row it finished.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -306,3 +307,14 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python benchmarks/gpu/gpu_results.py RESULTS_DIR")
     print(write_summary(sys.argv[1]))
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: "1024,2048" -> [1024, 2048] (order kept); anything else is a usage error."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values

@@ -103,3 +103,18 @@ def test_emulated_cuda_zero_tangents(pattern):
     out = _check(case, pattern)
     if pattern == (0, 0, 1):
         assert torch.count_nonzero(out["vbar"]) == 0
+
+
+def test_emulated_launchers_name_the_kernel_they_enqueued_last():
+    """The CUDA binding's launch errors name this kernel (flashbob::last_launched_kernel): each
+    launcher must leave its own last kernel there, so a fault is pinned on one of the six."""
+    from ds_ttt.ops.flashbob.builder import load_cuda_emu_op
+
+    op = load_cuda_emu_op()
+    q, k, v, do = (torch.randn(1, 2, 20, 64).to(torch.bfloat16) for _ in range(4))
+    o, stats = op.fwd(q, k, v, True, 0, 0, 0, 0.125)
+    assert op.last_launched_kernel() == "fwd_kernel"
+    dq, _, _ = op.bwd(q, k, v, o, stats, do, True, 0, 0, 0, 0.125)
+    assert op.last_launched_kernel() == "bwd_col_kernel"
+    op.bwd_bwd(q, k, v, o, stats, do, dq, q, k, v, True, 0, 0, 0, 0.125)
+    assert op.last_launched_kernel() == "bob_col_kernel"

@@ -50,6 +50,9 @@ flashbob::Geo make_geo(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(window >= 0 && (causal || window == 0), "window must be >= 0 and needs causal");
   TORCH_CHECK(q.size(0) * q.size(1) < 65536 && k.size(0) * k.size(1) < 65536,
               "B*H must be < 65536 (grid.y)");
+  // Packed rows are divided by G in 32 bits (Packed in flashbob_cuda_tiles.cuh).
+  TORCH_CHECK(q.size(2) * (q.size(1) / k.size(1)) < (int64_t{1} << 31),
+              "Nq * (Hq / Hkv) must be < 2^31, got ", q.size(2), " * ", q.size(1) / k.size(1));
   return flashbob::Geo{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2),
                        k.size(2), causal, window, q_off, k_off, static_cast<float>(scale)};
 }
@@ -65,8 +68,10 @@ void check_stats(const at::Tensor& stats, const flashbob::Geo& g, const at::Tens
 }
 
 void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "flashbob cuda ", what, " launch failed: ",
-              cudaGetErrorString(err));
+  TORCH_CHECK(err == cudaSuccess, "flashbob cuda ", what, " failed in ",
+              flashbob::last_launched_kernel(), ": ", cudaGetErrorString(err),
+              " (an execution fault is reported by the kernel it happened in only with "
+              "CUDA_LAUNCH_BLOCKING=1)");
 }
 
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -81,4 +81,8 @@ cudaError_t launch_bwd_bwd(Dtype dt, int D, const void* q, const void* k, const 
                            void* dobar, float* delta, float* alpha, float* e0, const Geo& g,
                            cudaStream_t stream);
 
+// Name of the kernel the launchers on this thread enqueued last ("fwd_kernel", ..., "bob_col_kernel";
+// "none" before any launch): where a launcher's error came from.
+const char* last_launched_kernel();
+
 }  // namespace flashbob

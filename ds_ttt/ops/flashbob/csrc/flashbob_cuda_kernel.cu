@@ -68,7 +68,7 @@ struct RowBlock {
 __device__ __forceinline__ RowBlock row_block(const Geo& g, int BM) {
   RowBlock r;
   const int64_t bk = blockIdx.y, b = bk / g.Hkv, hk = bk % g.Hkv, M = g.G * g.Nq;
-  r.pk = Packed{b * g.Hq + hk * g.G, g.G, g.Nq};
+  r.pk = Packed::make(b * g.Hq + hk * g.G, g.G, g.Nq);
   r.kv0 = (b * g.Hkv + hk) * g.Nk;
   r.m0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BM;  // heaviest causal blocks first
   r.bm = (int)imin(BM, M - r.m0);
@@ -88,7 +88,7 @@ struct ColBlock {
 __device__ __forceinline__ ColBlock col_block(const Geo& g, int BM) {
   ColBlock c;
   const int64_t bk = blockIdx.y, b = bk / g.Hkv, hk = bk % g.Hkv;
-  c.pk = Packed{b * g.Hq + hk * g.G, g.G, g.Nq};
+  c.pk = Packed::make(b * g.Hq + hk * g.G, g.G, g.Nq);
   c.c0 = (int64_t)blockIdx.x * BM;
   c.bn = (int)imin(BM, g.Nk - c.c0);
   c.kv0 = (b * g.Hkv + hk) * g.Nk + c.c0;
@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(TL::NT) bwd_col_kernel(
     const int64_t m0 = cb.m_lo + it * BN;
     const int nv = (int)imin(BN, cb.m_hi - m0), buf = (int)(it % 2);
     const ColScalars cs = scal(buf);
-    const int cls = g.classify(m0 / g.G, (m0 + nv - 1) / g.G + 1, cb.c0, cb.c0 + cb.bn);
+    const int cls = g.classify(cb.pk.pos(m0), cb.pk.pos(m0 + nv - 1) + 1, cb.c0, cb.c0 + cb.bn);
     const bool full = cls == 2 && nv == BN;
     float s[MT][NB][4], dp[MT][NB][4];  // transposed: rows keys, columns packed query rows
     zero(s);
@@ -445,7 +445,7 @@ __global__ void __launch_bounds__(TL::NT) bwd_col_kernel(
           const int h = e / 2, c = nb * 8 + 2 * tq + e % 2;
           const bool ok =
               tr.valid[mt][h] &&
-              (full || (c < nv && (cls == 2 || g.visible((m0 + c) / g.G,
+              (full || (c < nv && (cls == 2 || g.visible(cb.pk.pos(m0 + c),
                                                          cb.c0 + tr.local[mt][h]))));
           const float p = prob(s[mt][nb][e], scale2, cs.m2[c], cs.il[c], ok);
           s[mt][nb][e] = p;
@@ -743,7 +743,7 @@ __global__ void __launch_bounds__(TL::NT) bob_col_kernel(
     const int64_t m0 = cb.m_lo + it * BN;
     const int nv = (int)imin(BN, cb.m_hi - m0), buf = (int)(it % 2);
     const ColScalars cs = scal(buf);
-    const int cls = g.classify(m0 / g.G, (m0 + nv - 1) / g.G + 1, cb.c0, cb.c0 + cb.bn);
+    const int cls = g.classify(cb.pk.pos(m0), cb.pk.pos(m0 + nv - 1) + 1, cb.c0, cb.c0 + cb.bn);
     const bool full = cls == 2 && nv == BN;
     const T* Qb = sm.Qs + buf * BN * L;
     const T* dOb = sm.dOs + buf * BN * L;
@@ -761,7 +761,7 @@ __global__ void __launch_bounds__(TL::NT) bob_col_kernel(
           const int h = e / 2, col = nb * 8 + 2 * tq + e % 2;
           const bool ok =
               tr.valid[mt][h] &&
-              (full || (col < nv && (cls == 2 || g.visible((m0 + col) / g.G,
+              (full || (col < nv && (cls == 2 || g.visible(cb.pk.pos(m0 + col),
                                                            cb.c0 + tr.local[mt][h]))));
           const float p = prob(s[mt][nb][e], scale2, cs.m2[col], cs.il[col], ok);
           const float dps = dp[mt][nb][e] - cs.dl[col];
@@ -876,6 +876,11 @@ struct Shapes<128> {
 #endif
 constexpr size_t kSmemLimit = (size_t)FLASHBOB_SMEM_LIMIT_KB * 1024;
 
+// The kernel each launcher enqueued last, for error messages: a launch error, or (under
+// CUDA_LAUNCH_BLOCKING=1, where every launch waits for its kernel) an execution fault, surfaces at
+// the cudaGetLastError right after that kernel, so the binding names it instead of the launcher.
+thread_local const char* g_last_kernel = "none";
+
 // Kernels may use more than 48 KB of dynamic shared memory: opt in per kernel before launching.
 template <typename K>
 cudaError_t allow_smem(K kernel, size_t smem) {
@@ -899,6 +904,7 @@ cudaError_t fwd_t(const void* q, const void* k, const void* v, void* o, float* s
   constexpr size_t smem = Smem<D>::template tile_bytes<T>(TL::BM + 4 * TL::BN);
   static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
   auto kern = fwd_kernel<T, D, TL>;
+  g_last_kernel = "fwd_kernel";
   cudaError_t err = allow_smem(kern, smem);
   if (err != cudaSuccess) return err;
   FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v, (T*)o, stats,
@@ -917,6 +923,7 @@ cudaError_t bwd_t(const void* q, const void* k, const void* v, const void* o, co
     constexpr size_t smem = Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN);
     static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bwd_row_kernel<T, D, TL>;
+    g_last_kernel = "bwd_row_kernel";
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v,
               (const T*)o, stats, (const T*)dout, (T*)dq, delta, g);
@@ -929,6 +936,7 @@ cudaError_t bwd_t(const void* q, const void* k, const void* v, const void* o, co
         Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN) + 6 * TL::BN * sizeof(float);
     static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bwd_col_kernel<T, D, TL>;
+    g_last_kernel = "bwd_col_kernel";
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, col_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v, stats,
               (const T*)dout, (const float*)delta, (T*)dk, (T*)dv, g);
@@ -948,6 +956,7 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
     constexpr size_t smem = BobRowSmem<T, D, TL>::bytes();
     static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bob_stats_kernel<T, D, TL>;
+    g_last_kernel = "bob_stats_kernel";
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v,
               (const T*)o, stats, (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv, delta,
@@ -960,6 +969,7 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
     constexpr size_t smem = BobRowSmem<T, D, TL>::bytes();
     static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bob_row_kernel<T, D, TL>;
+    g_last_kernel = "bob_row_kernel";
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v,
               (const T*)o, stats, (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv,
@@ -972,6 +982,7 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
     constexpr size_t smem = BobColSmem<T, D, TL>::bytes();
     static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bob_col_kernel<T, D, TL>;
+    g_last_kernel = "bob_col_kernel";
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, col_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v, stats,
               (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv, (const float*)delta,
@@ -990,6 +1001,8 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
     if ((dt) == Dtype::kFP16 && (D) == 128) return FN<__half, 128>(__VA_ARGS__);        \
     return cudaErrorInvalidValue;                                                       \
   } while (0)
+
+const char* last_launched_kernel() { return g_last_kernel; }
 
 cudaError_t launch_fwd(Dtype dt, int D, const void* q, const void* k, const void* v, void* o,
                        float* stats, const Geo& g, cudaStream_t stream) {

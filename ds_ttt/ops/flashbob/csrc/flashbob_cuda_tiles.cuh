@@ -107,10 +107,28 @@ __device__ __forceinline__ void zero(float (&x)[A][B][4]) {
 // Rows of one (batch, kv head) group in packed order: packed row m is position m / G of query head
 // hk·G + m % G (GQA head packing: the G heads that share a K/V head are one row space of G·Nq
 // rows, so one block's K/V tiles serve all of them; G = 1 is plain multi-head attention).
+//
+// G is a runtime value, and a 64-bit `/` or `%` by it is a ~70-instruction software routine on the
+// GPU, paid per streamed row and per masked score element. So the division by the block-invariant
+// G is strength-reduced to one 32-bit multiply-high and a shift (Granlund & Montgomery 1994, as in
+// CUTLASS's FastDivmod): with p = 31 + ceil(log2 G), mul = ceil(2^p / G), m / G = umulhi(m, mul)
+// >> (p - 32), exact for every m < 2^31 (the binding requires G·Nq < 2^31); G = 1 is the identity.
 struct Packed {
-  int64_t head0, G, Nq;  // head0 = b·Hq + hk·G
-  __device__ __forceinline__ int64_t row(int64_t m) const { return (head0 + m % G) * Nq + m / G; }
-  __device__ __forceinline__ int64_t pos(int64_t m) const { return m / G; }
+  int64_t head0, Nq;  // head0 = b·Hq + hk·G
+  uint32_t G, mul, shift;
+  __device__ __forceinline__ static Packed make(int64_t head0, int64_t G, int64_t Nq) {
+    uint32_t lg = 0;
+    while ((1ull << lg) < (uint64_t)G) ++lg;  // ceil(log2 G)
+    const uint32_t mul = G == 1 ? 0u : (uint32_t)(((1ull << (31 + lg)) + G - 1) / G);
+    return Packed{head0, Nq, (uint32_t)G, mul, G == 1 ? 0u : lg - 1};
+  }
+  __device__ __forceinline__ uint32_t pos(int64_t m) const {
+    return G == 1 ? (uint32_t)m : __umulhi((uint32_t)m, mul) >> shift;
+  }
+  __device__ __forceinline__ int64_t row(int64_t m) const {
+    const uint32_t p = pos(m), h = (uint32_t)m - p * G;
+    return (head0 + h) * Nq + p;
+  }
 };
 
 // cp.async `ROWS` rows of D elements into a shared tile; rows >= nvalid are zero-filled.

@@ -54,6 +54,10 @@ inline float __bfloat162float(__nv_bfloat16 x) { return static_cast<float>(x); }
 inline float __half2float(__half x) { return static_cast<float>(x); }
 inline __nv_bfloat16 __float2bfloat16(float x) { return __nv_bfloat16(x); }
 inline __half __float2half(float x) { return __half(x); }
+// The high 32 bits of the 64-bit product (PTX mul.hi.u32).
+inline unsigned __umulhi(unsigned a, unsigned b) {
+  return (unsigned)(((unsigned long long)a * b) >> 32);
+}
 
 using cudaError_t = int;
 using cudaStream_t = void*;

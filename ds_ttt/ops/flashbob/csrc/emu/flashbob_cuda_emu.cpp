@@ -88,4 +88,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd);
   m.def("bwd", &bwd);
   m.def("bwd_bwd", &bwd_bwd);
+  m.def("last_launched_kernel", [] { return std::string(flashbob::last_launched_kernel()); },
+        "the kernel the launchers enqueued last on this thread (error messages name it)");
 }

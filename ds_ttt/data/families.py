@@ -339,3 +339,5 @@ FAMILIES = {
     "error_recovery": [recovery_typo, recovery_missing_file, recovery_bad_flag, recovery_permission, recovery_grep_case],
     "explore_edit": [explore_replace, explore_count, explore_rename, explore_largest, explore_csv],
 }
+from .shell_families import SHELL_FAMILIES  # noqa: E402 - cd / export / background-job families (shell_families.py)
+FAMILIES.update(SHELL_FAMILIES)

@@ -3,11 +3,12 @@
     trajs = generate(num=300, seed=0)               # list of canonical trajectories (deterministic)
     world = generate_memory_world(seed=7)           # one fresh memory world for the memory eval
 
-Every observation is the real output of the command in real bash inside a throwaway sandbox
-(`sandbox.py`: timeouts, output and process caps, and by default no network, writes confined to the
-sandbox, every process killed at the end; without those namespaces the generator refuses unless
-called with isolation="none", which `data_prep/generate.py --no-isolation` passes). `meta.isolation`
-records which was used ("unshare" or "none"). Each
+Every observation is the real output of the command in real bash inside the episode's sandbox
+(`sandbox.py`: bubblewrap, no network, an unprivileged uid, only the episode's own root writable,
+process/memory/file/output limits, and one persistent shell per episode, so a `cd`, an `export` or a
+background job carries over to the next command; without bwrap the generator refuses unless called
+with isolation="none", which `data_prep/generate.py --no-isolation` passes). `meta.isolation` records
+which was used ("bwrap" or "none"). Each
 trajectory: system prompt + the `bash` tool schema, the task, then assistant turns with short reasoning
 and one Qwen3 tool call `{"name": "bash", "arguments": {"command": ...}}`, the tool results, and a final
 assistant answer. Per-trajectory RNG = Random(f"{seed}:{index}") so any trajectory can be regenerated

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from ds_ttt.data.generator import FAMILY_NAMES, generate, generate_memory_world, generate_one, write_outputs
 from ds_ttt.data.sandbox import Sandbox, network_isolation_available
@@ -52,10 +53,26 @@ def test_all_trajectories_are_valid_and_families_covered():
                     assert c["function"]["name"] == "bash" and set(json.loads(c["function"]["arguments"])) == {"command"}
 
 
-def test_observations_are_real_sandbox_output(tmp_path):
+@pytest.fixture
+def keep_dir():
+    """A kept-sandbox parent that uid 65534 can traverse (a root caller's sandbox runs as it; pytest's
+    tmp_path is 0700)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="ds_ttt_keep_")
+    os.chmod(d, 0o711)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_observations_are_real_sandbox_output(keep_dir):
+    tmp_path = keep_dir
     checked = 0
     for i in range(12):
         t = generate_one(77, i, keep_dir=str(tmp_path))
+        if t["meta"]["variant"] == "shell_cd":
+            continue  # its paths are relative to a directory it changed into
         root = Path(t["meta"]["sandbox"])
         cmds = commands(t)
         for k, (cmd, obs) in enumerate(cmds):
@@ -71,7 +88,8 @@ def test_observations_are_real_sandbox_output(tmp_path):
     assert checked >= 8
 
 
-def test_memory_world_values_are_real_and_meta_consistent(tmp_path):
+def test_memory_world_values_are_real_and_meta_consistent(keep_dir):
+    tmp_path = keep_dir
     w = generate_memory_world(31, keep_dir=str(tmp_path))
     root = Path(w["meta"]["sandbox"])
     salt = re.search(r"\$1-([0-9a-f]+)", (root / "bin" / "keygen").read_text()).group(1)
@@ -135,6 +153,29 @@ def test_family_metadata():
                 assert re.search(r"\[exit code: \d+\]", rounds[r - 1]["obs"])
             seen_fail |= not meta["success"]
     assert any(not t["meta"]["success"] for t in generate(80, 1, family="error_recovery")) or seen_fail
+
+
+def test_shell_state_families_need_the_persistent_shell(monkeypatch):
+    """The cd / export / background-job families pass in the episode's one shell and fail where every
+    command gets a fresh shell (the sandbox before issue 22)."""
+    from ds_ttt.data import shell_families
+
+    trajs = generate(9, 5, workers=1, family="shell_state")
+    assert {t["meta"]["variant"] for t in trajs} == {"shell_cd", "shell_export", "shell_background"}
+    assert all(t["meta"]["success"] and t["meta"]["isolation"] == "bwrap" for t in trajs)
+    fresh_run = lambda self, command, timeout=None: self.run_fresh(f"exec 2>&1\n{command}", timeout=timeout)
+    monkeypatch.setattr(Sandbox, "run", fresh_run)
+    for policy in shell_families.SHELL_FAMILIES["shell_state"]:
+        with pytest.raises((AssertionError, RuntimeError)):
+            _play(policy)
+
+
+def _play(policy):
+    import random
+
+    from ds_ttt.data.generator import _run_episode
+
+    _run_episode("t", "shell_state", policy.__name__, lambda ep: policy(ep, random.Random(0)), 0, None, "required")
 
 
 def test_sandbox_timeout_and_no_network():

@@ -16,6 +16,11 @@ from typing import Any
 CONTEXT_POLICIES = ("full", "window", "current_round")
 TRAINABLE_SCOPES = ("prime", "suffix", "all")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
+INNER_LOSSES = ("mean", "sum")
+INNER_CLIPS = ("global", "per_matrix")
+FAST_MATRICES = ("all", "down")
+MAX_KEY_SHIFT = 8
+MAX_INNER_STEPS = 4
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +52,20 @@ class TTTConfig:
         but what one inner step stores grows with the prime activations' norm squared (the update of
         down is an outer product with them): a larger value starts the memory strong instead of
         leaving the outer loop to grow it from ~0.
+    key_shift: S > 0 gives the memory key local context: the prime MLP's input becomes
+        x_t + sum_{j<=S} a_j * x_{t-j} with learned per-channel a_j (zero at init, so a fresh model
+        computes exactly what key_shift=0 computes). Under `current_round` the history restarts at
+        each round (no key sees an earlier round). 0 = off. See ds_ttt/model/fast_weights.py.
+    The levers on the write (what one inner step stores):
+    inner_loss: "mean" (the observation loss averaged over its tokens) or "sum" (summed: every token
+        of a long output writes as hard as a short output's tokens; the clip still bounds the step).
+    inner_clip: "global" (one norm over every adaptive layer's matrices) or "per_matrix" (each
+        matrix's gradient clipped to inner_max_norm on its own).
+    fast_matrices: "all" (gate, up and down are fast weights) or "down" (only the down projection
+        changes at test time; gate/up stay W_0, so the key is fixed and only the value is written).
+    inner_steps: SGD steps on each observation (1 = the classic step; k > 1 re-scores the
+        observation with the updated W before each further step; the outer loss differentiates
+        through all of them).
     """
 
     adaptive_layers: int | None = None
@@ -61,6 +80,11 @@ class TTTConfig:
     obs_loss_weight: float = 0.0
     prime_init_std: float | None = None
     obs_loss_with_end: bool = False
+    key_shift: int = 0
+    inner_loss: str = "mean"
+    inner_clip: str = "global"
+    fast_matrices: str = "all"
+    inner_steps: int = 1
 
     def validate(self, num_hidden_layers: int | None = None) -> "TTTConfig":
         """Check every field; with `num_hidden_layers`, also the layer count. Returns self."""
@@ -92,6 +116,16 @@ class TTTConfig:
             raise ValueError(f"ttt.obs_loss_with_end must be true or false, got {self.obs_loss_with_end!r}")
         if self.prime_init_std is not None and not (0.0 < self.prime_init_std < float("inf")):
             raise ValueError(f"ttt.prime_init_std must be a positive number or null, got {self.prime_init_std!r}")
+        if isinstance(self.key_shift, bool) or not isinstance(self.key_shift, int) or not 0 <= self.key_shift <= MAX_KEY_SHIFT:
+            raise ValueError(f"ttt.key_shift must be an int in 0..{MAX_KEY_SHIFT} (0 = off), got {self.key_shift!r}")
+        if self.context_policy == "window" and 0 < self.window <= self.key_shift:
+            raise ValueError(f"ttt.window={self.window} must exceed ttt.key_shift={self.key_shift} "
+                             "(the key's history would reach past the attention window)")
+        for name, choices in (("inner_loss", INNER_LOSSES), ("inner_clip", INNER_CLIPS), ("fast_matrices", FAST_MATRICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"ttt.{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or not 1 <= self.inner_steps <= MAX_INNER_STEPS:
+            raise ValueError(f"ttt.inner_steps must be an int in 1..{MAX_INNER_STEPS}, got {self.inner_steps!r}")
         return self
 
     def num_adaptive(self, num_hidden_layers: int) -> int:

@@ -8,7 +8,9 @@ For each trajectory (one row of the right-padded batch) and each round r = 0, 1,
   3. W_r = inner_sgd_step(L_obs, W_{r-1}) with create_graph=True, so the outer loss of every later
      action back-propagates through the update (full second order);
   4. append the round's keys/values to the cache (they were computed with W_{r-1}, exactly as a
-     deployed agent computes them while it acts).
+     deployed agent computes them while it acts), and keep the last `key_shift` prime-MLP inputs of
+     each adaptive layer as the next round's key history (zeros instead under `current_round`).
+With `inner_steps` k > 1, step 3 repeats k times, re-scoring the observation with each new W.
 Label position t predicts token t+1, so a position's loss kind is the kind of the *next* token.
 
 Host syncs: none per event. Event boundaries, label positions and token counts come from one host
@@ -42,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from ds_ttt.config import TTTConfig
 from ds_ttt.data.token_kind import TokenKind
 from ds_ttt.model.context import ContextPolicy, LayerCache
-from ds_ttt.model.fast_weights import FastWeights, inner_loop_weights, inner_sgd_step
+from ds_ttt.model.fast_weights import FastWeights, KeyHistory, inner_loop_weights, inner_update
 
 
 
@@ -112,16 +114,22 @@ def attention_for_event(backend: str, span):
     return attend
 
 
+def uses_key_shift(layer: nn.Module) -> bool:
+    return getattr(layer, "is_adaptive", False) and layer.prime_mlp.key_shift is not None
+
+
 def forward_event(layers: Sequence[nn.Module], caches: list[LayerCache], hidden_1TC: torch.Tensor,
                   pos_emb, start: int, round_id: int, policy: ContextPolicy, backend: str,
-                  fast_weights: FastWeights | None):
+                  fast_weights: FastWeights | None, key_prev: Sequence[torch.Tensor] = ()):
     """New tokens (positions start.., round `round_id`) through `layers` against their caches.
 
-    Returns (hidden, [(kept_cache, k_new, v_new) per layer]). Layers with a prime MLP consume three
-    fast-weight tensors each, in order. Also used by serving for the whole stack.
+    Returns (hidden, [(kept_cache, k_new, v_new) per layer], [key history out per key-shift layer]).
+    Layers with a prime MLP consume three fast-weight tensors each, in order; layers with a key shift
+    consume one entry of `key_prev` each ([1, S, C]: the inputs before this event), in order.
     """
     it = iter(fast_weights or ())
-    outs = []
+    prev = iter(key_prev)
+    outs, key_last = [], []
     for layer, cache in zip(layers, caches):
         kept, span = policy.select(cache, start, round_id)
         inner = attention_for_event(backend, span)
@@ -129,9 +137,12 @@ def forward_event(layers: Sequence[nn.Module], caches: list[LayerCache], hidden_
         def attend(q, k, v, kept=kept, inner=inner):
             return inner(q, torch.cat([kept.k_1HSD, k], 2), torch.cat([kept.v_1HSD, v], 2))
         w = (next(it), next(it), next(it)) if getattr(layer, "is_adaptive", False) and fast_weights else None
-        hidden_1TC, (k, v) = layer(hidden_1TC, pos_emb, attend, w)
+        history = KeyHistory(prev_BSC=next(prev)) if uses_key_shift(layer) else None
+        hidden_1TC, (k, v) = layer(hidden_1TC, pos_emb, attend, w, history)
         outs.append((kept, k, v))
-    return hidden_1TC, outs
+        if history is not None:
+            key_last.append(history.last_BSC)
+    return hidden_1TC, outs, key_last
 
 
 def _nll(suffix: SuffixModules, hidden_1TC, label_idx, labels, in_graph=None):
@@ -197,6 +208,9 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
         ends = starts[1:] + [n]
         weights = w0
         caches = None
+        shift_layers = [layer for layer in suffix.layers if uses_key_shift(layer)]
+        key_tails = [hidden_BTC.new_zeros(1, layer.prime_mlp.key_shift.shape[0], hidden_BTC.shape[-1])
+                     for layer in shift_layers]
         records = []
         for start, end in zip(starts, ends):
             round_id = int(rounds_h[start])
@@ -219,39 +233,49 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
             # kept keys/values are its tensor inputs, positions/rounds are plain host metadata).
             kept = [policy.select(c, start, round_id)[0] for c in caches]
 
-            def score(h, ws, kvs, kept=kept, positions=positions, start=start, round_id=round_id,
+            def score(h, ws, kvs, tails, kept=kept, positions=positions, start=start, round_id=round_id,
                       local=local, tgt=tgt, in_graph=act_mask | obs_mask):
                 cs = [LayerCache(kvs[2 * i], kvs[2 * i + 1], c.positions_S, c.rounds_S) for i, c in enumerate(kept)]
-                h_out, outs = forward_event(suffix.layers, cs, h, suffix.rotary_emb(h, positions), start,
-                                            round_id, policy, backend, ws)
+                h_out, outs, key_last = forward_event(suffix.layers, cs, h, suffix.rotary_emb(h, positions), start,
+                                                      round_id, policy, backend, ws, tails)
                 nll, logits = _nll(suffix, h_out, local, tgt, in_graph=in_graph if record else None)
-                return nll, logits, [t for _, k, v in outs for t in (k, v)]
+                return nll, logits, [t for _, k, v in outs for t in (k, v)], key_last
 
             def step(h, *flat, score=score, act_mask=act_mask, obs_mask=obs_mask, k_obs=k_obs,
-                     do_update=do_update, nw=len(weights)):
-                ws, kvs = tuple(flat[:nw]), flat[nw:]
-                nll, logits, new_kv = score(h, ws, kvs)
+                     do_update=do_update, nw=len(weights), nkv=2 * len(kept)):
+                ws, kvs, tails = tuple(flat[:nw]), flat[nw:nw + nkv], flat[nw + nkv:]
+                nll, logits, new_kv, key_last = score(h, ws, kvs, tails)
                 act_sum, obs_sum = (nll * act_mask).sum(), (nll * obs_mask).sum()
                 new_ws, skipped = ws, no_skip
                 if do_update:
-                    res = inner_sgd_step(obs_sum / k_obs, ws, lr=ttt.inner_lr, max_norm=ttt.inner_max_norm,
-                                         create_graph=create_graph)
-                    new_ws, skipped = res.weights, res.skipped.to(torch.int64)
+                    res = inner_update(obs_sum, k_obs, ws, ttt, create_graph=create_graph)
+                    skip_any = res.skipped
+                    for _ in range(1, ttt.inner_steps):  # further steps re-score the observation with W'
+                        res = inner_update((score(h, res.weights, kvs, tails)[0] * obs_mask).sum(), k_obs,
+                                           res.weights, ttt, create_graph=create_graph)
+                        skip_any = skip_any | res.skipped
+                    new_ws, skipped = res.weights, skip_any.to(torch.int64)
                 extra = (nll.detach(), logits.detach().argmax(-1)) if record else ()
-                return (*new_ws, *new_kv, act_sum, obs_sum, skipped, *extra)
+                return (*new_ws, *new_kv, *key_last, act_sum, obs_sum, skipped, *extra)
 
+            # the key history entering this event: the last event's, or none at a round boundary the
+            # context policy closes (current_round: no key sees an earlier round)
+            tails_in = ([torch.zeros_like(t) for t in key_tails] if policy.kind == "current_round" else key_tails)
             flat_in = [t for c in kept for t in (c.k_1HSD, c.v_1HSD)]
             if not create_graph:
                 h_event = h_event.detach()
+            if not create_graph:
+                tails_in = [t.detach() for t in tails_in]
             if ttt.checkpoint_events and create_graph and torch.is_grad_enabled():
-                out = checkpoint(step, h_event, *weights, *flat_in, use_reentrant=False)
+                out = checkpoint(step, h_event, *weights, *flat_in, *tails_in, use_reentrant=False)
             else:
                 # Inference still needs a graph from W to L_obs for the inner gradient.
                 with torch.enable_grad() if do_update else contextlib.nullcontext():
-                    out = step(h_event, *weights, *flat_in)
-            nw, nkv = len(weights), 2 * len(kept)
+                    out = step(h_event, *weights, *flat_in, *tails_in)
+            nw, nkv, nk = len(weights), 2 * len(kept), len(key_tails)
             new_weights, new_kv = tuple(out[:nw]), out[nw:nw + nkv]
-            act_sum, obs_sum, skipped_t = out[nw + nkv: nw + nkv + 3]
+            key_tails = list(out[nw + nkv:nw + nkv + nk])
+            act_sum, obs_sum, skipped_t = out[nw + nkv + nk: nw + nkv + nk + 3]
             skipped_count = skipped_count + skipped_t
             if record:  # evaluation reads values back per event; training never takes this branch
                 skipped = bool(skipped_t)
@@ -259,7 +283,7 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
                 if do_update and not skipped:
                     with torch.no_grad():
                         pure_obs = (label_kinds_h[wanted_h] == TokenKind.OBSERVATION).to(device)
-                        after = score(h_event, new_weights, flat_in)[0][pure_obs].cpu()
+                        after = score(h_event, new_weights, flat_in, tails_in)[0][pure_obs].cpu()
                 records.append(EventRecord(
                     round=round_id, label_positions=wanted_h, labels=tgt.cpu(),
                     label_kinds=label_kinds_h[wanted_h], token_nll=out[-2].cpu(), argmax=out[-1].cpu(),

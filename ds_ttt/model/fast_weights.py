@@ -20,7 +20,24 @@ W - W_0, which has its own exponent and survives the cast to the compute dtype:
     x W^T = x W_0^T + x (W - W_0)^T          (both matmuls in the compute dtype, summed in fp32)
 fp32 and fp64 models take the single-matmul path unchanged.
 
-Shape letters: T tokens, D hidden, F prime width.
+Memory key with context (`TTTConfig.key_shift` = S > 0). The prime MLP's input at a token is its
+key: one inner step stores "key -> what the observation loss wants there". In a small model that
+input is mostly the current token, so a value whose tokens repeat (`3c27bea8dc` -> `3 c 2 7 be a 8
+dc`) maps one key to several next tokens and cannot be stored exactly. A learned causal depthwise
+token shift (RWKV's token shift, the short convolutions of Mamba / DeltaNet) gives the key local
+context:
+    u_t = x_t + sum_{j=1..S} a_j * x_{t-j}          (a_j in R^C, per channel; zero-initialized)
+a_j are slow weights (trained by the outer loop, never by the inner step). With a = 0 the model
+computes exactly what it computes without the shift. History stops at a segment boundary (a new
+round under the `current_round` policy, so no round's key sees an earlier round) and at the start
+of the sequence (zeros). Chunked execution (training events, serving decode) carries the last S
+inputs of each adaptive layer between chunks in a `KeyHistory`; chunked and whole-sequence
+execution give the same u.
+
+Per-row fast weights (serving many sessions in one batch): a fast weight of shape [B, F, D] applies
+its row b to batch row b (`linear`); [F, D] applies to every row.
+
+Shape letters: B batch, T tokens, D (= C) hidden, F prime width, S key-shift width.
 """
 
 from __future__ import annotations
@@ -55,19 +72,70 @@ def inner_loop_weights(weights: FastWeights, *, differentiable: bool) -> FastWei
     return tuple(out)
 
 
+def linear(x_BTD: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T for a shared W [F, D] or per-row W [B, F, D] (row b of x uses W[b])."""
+    if w.dim() == 2:
+        return F.linear(x_BTD, w)
+    return torch.matmul(x_BTD, w.transpose(-1, -2))
+
+
 def prime_mlp(x: torch.Tensor, gate_FD: torch.Tensor, up_FD: torch.Tensor, down_DF: torch.Tensor) -> torch.Tensor:
     """SwiGLU: down(silu(gate x) * up x)."""
-    return F.linear(F.silu(F.linear(x, gate_FD)) * F.linear(x, up_FD), down_DF)
+    return linear(F.silu(linear(x, gate_FD)) * linear(x, up_FD), down_DF)
 
 
 def split_linear(x: torch.Tensor, w0: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x W^T for a high-precision W near the compute-dtype W_0: x W_0^T + x (W - W_0)^T, summed in fp32.
 
     W - W_0 is exact in fp32 (Sterbenz) and keeps its relative precision when cast to x's dtype.
+    W may be per-row ([B, F, D]; W_0 is always the shared [F, D]): the base product is one batched
+    matmul, the delta is applied per row (the Punica / S-LoRA layout).
     """
     delta = (w - w0.to(w.dtype)).to(x.dtype)
     acc = fast_weight_dtype(x.dtype)
-    return (F.linear(x, w0).to(acc) + F.linear(x, delta).to(acc)).to(x.dtype)
+    return (F.linear(x, w0).to(acc) + linear(x, delta).to(acc)).to(x.dtype)
+
+
+@dataclass
+class KeyHistory:
+    """The key-shift state of one adaptive layer for one chunk of tokens (see the module docstring).
+
+    prev_BSC: in, the S prime-MLP inputs right before the chunk, oldest first (None = zeros: a fresh
+        sequence or segment). segments_BT: in, a segment id per token of the chunk (history stops
+        where it changes; None = one segment, continuing prev). last_BSC: out, set by the layer: the
+        last S inputs of the chunk's segment (zeros before its start), the next chunk's prev_BSC.
+    """
+
+    prev_BSC: torch.Tensor | None = None
+    segments_BT: torch.Tensor | None = None
+    last_BSC: torch.Tensor | None = None
+
+
+def shift_keys(x_BTC: torch.Tensor, shift_SC: torch.Tensor, history: KeyHistory | None) -> torch.Tensor:
+    """u_t = x_t + sum_j shift[j-1] * x_{t-j} within a segment; sets `history.last_BSC` when given."""
+    b, t, c = x_BTC.shape
+    s = shift_SC.shape[0]
+    prev = history.prev_BSC if history is not None else None
+    if prev is None:
+        prev = x_BTC.new_zeros(b, s, c)
+    x_ext = torch.cat([prev.to(x_BTC.dtype), x_BTC], 1)  # [B, S+T, C]: prev rows continue the first token's segment
+    seg = history.segments_BT if history is not None else None
+    keep = None
+    if seg is not None:
+        seg_ext = torch.cat([seg[:, :1].expand(b, s), seg], 1)
+    u = x_BTC
+    for j in range(1, s + 1):
+        past = x_ext[:, s - j: s - j + t]
+        if seg is not None:
+            keep = (seg_ext[:, s - j: s - j + t] == seg).unsqueeze(-1)
+            past = past * keep.to(past.dtype)
+        u = u + shift_SC[j - 1].to(x_BTC.dtype) * past
+    if history is not None:
+        last = x_ext[:, -s:]
+        if seg is not None:
+            last = last * (seg_ext[:, -s:] == seg[:, -1:]).unsqueeze(-1).to(last.dtype)
+        history.last_BSC = last
+    return u
 
 
 class PrimeMLP(nn.Module):
@@ -76,12 +144,20 @@ class PrimeMLP(nn.Module):
     down_proj starts at zero, so an untrained TTT model computes exactly what the base Qwen3 computes.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, key_shift: int = 0):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         nn.init.zeros_(self.down_proj.weight)
+        # the memory key's learned token shift (a slow weight; zero = no shift), HF name `...prime_mlp.key_shift`
+        self.key_shift = nn.Parameter(torch.zeros(key_shift, hidden_size)) if key_shift > 0 else None
+
+    def key(self, x_BTC: torch.Tensor, history: KeyHistory | None = None) -> torch.Tensor:
+        """The MLP's input with its key context (identity without a key shift)."""
+        if self.key_shift is None:
+            return x_BTC
+        return shift_keys(x_BTC, self.key_shift, history)
 
     def initial_weights(self) -> FastWeights:
         return (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
@@ -106,25 +182,58 @@ class InnerStepResult:
 
 
 def inner_sgd_step(loss: torch.Tensor, weights: FastWeights, *, lr: float, max_norm: float,
-                   create_graph: bool) -> InnerStepResult:
+                   create_graph: bool, per_matrix: bool = False,
+                   trainable: tuple[bool, ...] | None = None) -> InnerStepResult:
     """One clipped SGD step on the fast weights; differentiable when create_graph=True; no host sync.
 
     The update is computed in the weights' dtype (fp32 for `inner_loop_weights`). A non-finite
     gradient norm selects W' = W with `torch.where`; the gradient is zeroed first, so no NaN or inf
     reaches W' (and the cotangent flowing back into that event's gradient graph is zero).
+    per_matrix: clip each matrix's gradient to max_norm on its own instead of one global norm.
+    trainable: which weights the step updates (None = all; `fast_matrices="down"` passes only the
+    down projections); the others are returned unchanged and get no gradient.
+    grad_norm is the pre-clip global norm over the updated weights either way.
     """
+    trainable = trainable or (True,) * len(weights)
+    wanted = [w for w, t in zip(weights, trainable) if t]
     with torch.enable_grad():
-        grads = torch.autograd.grad(loss, weights, create_graph=create_graph, allow_unused=True)
-    grads = tuple(torch.zeros_like(w) if g is None else g for g, w in zip(grads, weights))
-    acc = fast_weight_dtype(grads[0].dtype)  # fp32 at least (bf16 weights), fp64 in tests
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.to(acc)) for g in grads]))
+        got = torch.autograd.grad(loss, wanted, create_graph=create_graph, allow_unused=True)
+    got = iter(torch.zeros_like(w) if g is None else g for g, w in zip(got, wanted))
+    grads = tuple(next(got) if t else None for t in trainable)
+    acc = fast_weight_dtype(wanted[0].dtype)  # fp32 at least (bf16 weights), fp64 in tests
+    norms = [torch.linalg.vector_norm(g.to(acc)) for g in grads if g is not None]
+    norm = torch.linalg.vector_norm(torch.stack(norms))
     finite = torch.isfinite(norm)
-    safe_norm = torch.where(finite, norm, torch.zeros_like(norm))
-    grads = tuple(torch.where(finite, g, torch.zeros_like(g)) for g in grads)
+    safe = (lambda n: torch.where(finite, n, torch.zeros_like(n)))
+    grads = tuple(None if g is None else torch.where(finite, g, torch.zeros_like(g)) for g in grads)
     if max_norm > 0:
-        coef = torch.clamp(max_norm / (safe_norm + 1e-6), max=1.0)
-        grads = tuple(g * coef.to(g.dtype) for g in grads)
-    new = tuple(w - lr * g.to(w.dtype) for w, g in zip(weights, grads))
+        if per_matrix:
+            it = iter(norms)
+            coefs = [None if g is None else torch.clamp(max_norm / (safe(next(it)) + 1e-6), max=1.0) for g in grads]
+        else:
+            coef = torch.clamp(max_norm / (safe(norm) + 1e-6), max=1.0)
+            coefs = [coef] * len(grads)
+        grads = tuple(None if g is None else g * c.to(g.dtype) for g, c in zip(grads, coefs))
+    new = tuple(w if g is None else w - lr * g.to(w.dtype) for w, g in zip(weights, grads))
     if not create_graph:
         new = tuple(w.detach().requires_grad_(True) for w in new)
     return InnerStepResult(weights=new, grad_norm=norm.detach(), skipped=~finite.detach())
+
+
+def trainable_fast_weights(fast_matrices: str, num_weights: int) -> tuple[bool, ...]:
+    """Which entries of a flat (gate, up, down) * L tuple the inner step updates."""
+    if fast_matrices == "all":
+        return (True,) * num_weights
+    if fast_matrices == "down":
+        return tuple(i % 3 == 2 for i in range(num_weights))
+    raise ValueError(f"fast_matrices must be 'all' or 'down', got {fast_matrices!r}")
+
+
+def inner_update(obs_loss_sum: torch.Tensor, num_obs: int, weights: FastWeights, ttt, *,
+                 create_graph: bool) -> InnerStepResult:
+    """One inner step as `ttt` configures it (loss reduction, clip, fast matrices): the one place the
+    event loop and serving turn an observation's summed NLL into W' (so both compute the same step)."""
+    loss = obs_loss_sum if ttt.inner_loss == "sum" else obs_loss_sum / num_obs
+    return inner_sgd_step(loss, weights, lr=ttt.inner_lr, max_norm=ttt.inner_max_norm, create_graph=create_graph,
+                          per_matrix=ttt.inner_clip == "per_matrix",
+                          trainable=trainable_fast_weights(ttt.fast_matrices, len(weights)))

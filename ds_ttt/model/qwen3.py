@@ -2,14 +2,16 @@
 
 Parameter names are transformers' Qwen3 names (`model.layers.N.self_attn.q_proj.weight`, ...,
 `lm_head.weight`), so a Hugging Face checkpoint loads 1:1; the adaptive layers add
-`model.layers.N.prime_layernorm.weight` and `model.layers.N.prime_mlp.{gate,up,down}_proj.weight`.
+`model.layers.N.prime_layernorm.weight`, `model.layers.N.prime_mlp.{gate,up,down}_proj.weight` and,
+with `ttt.key_shift`, `model.layers.N.prime_mlp.key_shift`.
 With `config.tie_word_embeddings` (Qwen3-0.6B to 4B) `lm_head.weight` IS `model.embed_tokens.weight`
 (one parameter under two names, as in transformers); the trainable scope of that parameter is the
 union of its names' scopes (`is_trainable`), so under 'suffix' and 'all' the tied embedding trains.
 
 A decoder layer computes
     h = h + attn(input_layernorm(h))
-    h = h + prime_mlp(prime_layernorm(h); W)        (adaptive layers only; W = fast weights)
+    h = h + prime_mlp(key(prime_layernorm(h)); W)   (adaptive layers only; W = fast weights;
+                                                     key = the learned token shift, fast_weights.py)
     h = h + mlp(post_attention_layernorm(h))
 Attention is injected as an `attend(q, k, v)` callable so the same block runs (a) over a whole
 sequence with SDPA and a context-policy mask (frozen prefix layers, plain logits) and (b) event by
@@ -39,7 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from ds_ttt.config import TTTConfig
 from ds_ttt.model.context import ContextPolicy
-from ds_ttt.model.fast_weights import FastWeights, PrimeMLP
+from ds_ttt.model.fast_weights import FastWeights, KeyHistory, PrimeMLP
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -112,7 +114,8 @@ class TTTAttention(Qwen3Attention):
 class TTTDecoderLayer(nn.Module):
     """A Qwen3 decoder layer; with `prime_intermediate_size` it also carries a prime MLP."""
 
-    def __init__(self, config: Qwen3Config, layer_idx: int, prime_intermediate_size: int | None = None):
+    def __init__(self, config: Qwen3Config, layer_idx: int, prime_intermediate_size: int | None = None,
+                 key_shift: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = TTTAttention(config, layer_idx)
@@ -122,14 +125,17 @@ class TTTDecoderLayer(nn.Module):
         self.is_adaptive = prime_intermediate_size is not None
         if self.is_adaptive:
             self.prime_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.prime_mlp = PrimeMLP(config.hidden_size, prime_intermediate_size)
+            self.prime_mlp = PrimeMLP(config.hidden_size, prime_intermediate_size, key_shift)
 
-    def forward(self, hidden_BTC, position_embeddings, attend: Attend, prime_weights: FastWeights | None = None):
-        """Returns (hidden, (k, v)); `prime_weights` overrides W_0 of an adaptive layer."""
+    def forward(self, hidden_BTC, position_embeddings, attend: Attend, prime_weights: FastWeights | None = None,
+                key_history: KeyHistory | None = None):
+        """Returns (hidden, (k, v)); `prime_weights` overrides W_0 of an adaptive layer; `key_history`
+        carries the key shift's state across chunks (read and updated in place; None = a fresh
+        sequence of one segment)."""
         attn_out, kv = self.self_attn(self.input_layernorm(hidden_BTC), position_embeddings, attend)
         h = hidden_BTC + attn_out
         if self.is_adaptive:
-            h = h + self.prime_mlp(self.prime_layernorm(h), prime_weights)
+            h = h + self.prime_mlp(self.prime_mlp.key(self.prime_layernorm(h), key_history), prime_weights)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv
 
@@ -164,8 +170,10 @@ def run_decoder_layers(layers, hidden_BTC: torch.Tensor, rounds_BT: torch.Tensor
     attend = frozen_path_attend(policy, hidden_BTC,
                                 rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT),
                                 layers[0].self_attn.scaling)
+    # the key shift's history restarts where attention's context does (each round under current_round)
+    segments = rounds_BT if policy.kind == "current_round" else None
     for layer in layers:
-        hidden_BTC, _ = layer(hidden_BTC, pos_emb, attend)
+        hidden_BTC, _ = layer(hidden_BTC, pos_emb, attend, key_history=KeyHistory(segments_BT=segments))
     return hidden_BTC
 
 
@@ -199,7 +207,7 @@ class TTTQwen3Model(nn.Module):
         prime_width = ttt.prime_intermediate_size or config.intermediate_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            TTTDecoderLayer(config, i, prime_width if i >= first_adaptive else None)
+            TTTDecoderLayer(config, i, prime_width if i >= first_adaptive else None, ttt.key_shift)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)

@@ -14,6 +14,12 @@ which slots a query may see, so the context policy needs no gather:
   current_round   slots [0, n0) hold round 0 (system prompt + task), slots from n0 on the current
                   round only: a new round overwrites the previous one, which no later query may see.
 
+The memory key's token shift (ttt.key_shift, ds_ttt/model/fast_weights.py) needs the last S prime-MLP
+inputs of each adaptive layer before a chunk. The cache keeps two such histories (not one per slot):
+the one ending at the last written slot (`key_tail`, continued by every decode step) and the one at
+the start of the open round (`key_round`: `observe` re-runs the round from there). A chunk at slot 0,
+or at round 0's end under current_round (a new round), starts from zeros.
+
 Either way the visible keys are one contiguous slice, and FlashBoB's causal (and window) mask over
 "cached slots ++ new slots" with compressed offsets (q_offset = slot - lo, k_offset = 0) equals the
 training mask (ds_ttt/model/context.py explains why compressed indexing is exact).
@@ -30,6 +36,22 @@ class KVCache:
     def __init__(self, k_L1HSD: list[torch.Tensor], v_L1HSD: list[torch.Tensor], max_capacity: int):
         self.k, self.v = k_L1HSD, v_L1HSD
         self.max_capacity = max_capacity
+        # key-shift histories: (slot they end at, [1, S, C] per key-shift layer); see the module docstring
+        self.key_tail: tuple[int, list[torch.Tensor]] | None = None
+        self.key_round: tuple[int, list[torch.Tensor]] | None = None
+        self.key_pending: tuple[int, list[torch.Tensor]] | None = None  # from a keep_graph run, not yet committed
+
+    def key_history_at(self, slot: int) -> list[torch.Tensor]:
+        """The key-shift history ending right before `slot` (the open round's start or the last write)."""
+        for entry in (self.key_tail, self.key_round):
+            if entry is not None and entry[0] == slot:
+                return entry[1]
+        raise AssertionError(f"KVCache: no key-shift history ends at slot {slot} "
+                             f"(tail at {self.key_tail and self.key_tail[0]}, round at {self.key_round and self.key_round[0]})")
+
+    def start_round(self) -> None:
+        """The history at the last written slot becomes the open round's start (after reset / observe)."""
+        self.key_round = self.key_tail
 
     @classmethod
     def for_model(cls, model, *, capacity: int, max_capacity: int) -> "KVCache":
@@ -78,4 +100,6 @@ class KVCache:
             out = t.new_empty(t.shape[0], t.shape[1], cap, t.shape[3])
             out[:, :, :num_slots].copy_(t[:, :, :num_slots])
             return out
-        return KVCache([copy(t) for t in self.k], [copy(t) for t in self.v], self.max_capacity)
+        twin = KVCache([copy(t) for t in self.k], [copy(t) for t in self.v], self.max_capacity)
+        twin.key_tail, twin.key_round = self.key_tail, self.key_round  # tensors never written in place
+        return twin

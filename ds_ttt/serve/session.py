@@ -47,8 +47,8 @@ from ds_ttt.data.render import (
     parse_assistant_message, render_action, render_action_end, render_generation_prompt, render_message,
     render_trajectory)
 from ds_ttt.data.token_kind import TokenKind
-from ds_ttt.model.event_loop import observation_labels
-from ds_ttt.model.fast_weights import inner_loop_weights, inner_sgd_step
+from ds_ttt.model.event_loop import observation_labels, uses_key_shift
+from ds_ttt.model.fast_weights import KeyHistory, inner_loop_weights, inner_update
 from ds_ttt.ops.flashbob import attention
 from ds_ttt.serve.kv_cache import KVCache
 
@@ -246,7 +246,9 @@ class AgentSession:
         visible slice in place. keep_graph=True (the inner step): the cache is only read (its slice
         concatenated with the new keys/values once per layer, so the inner gradient flows through
         them) and the new keys/values are returned for the caller to commit.
-        Returns (float logits [len(want), V] at chunk indices `want`, [(k, v) per layer] or None)."""
+        Returns (float logits [len(want), V] at chunk indices `want`, [(k, v) per layer] or None).
+        The key shift's history (kv_cache.py) is read from the cache; a default run stores the chunk's
+        as `cache.key_tail`, a keep_graph run returns it through `cache.key_pending` for the caller."""
         if start + len(chunk_ids) > self.max_context:
             raise ContextFullError(start + len(chunk_ids), self.max_context)
         m, dev = self.model, self.agent.device
@@ -267,6 +269,11 @@ class AgentSession:
         if not keep_graph:
             fused = "one" if n == 1 else "causal" if slot == lo and window == 0 else None
         it = iter(weights or ())
+        new_round = slot == 0 or (m.policy.kind == "current_round" and self._s is not None
+                                  and slot == self._s.prompt_slots)
+        shifts = [layer for layer in m.model.layers if uses_key_shift(layer)]
+        key_prev = iter([None] * len(shifts) if new_round or not shifts else cache.key_history_at(slot))
+        key_last = []
         for i, layer in enumerate(m.model.layers):
             def attend(q, k, v, i=i):
                 if keep_graph:
@@ -281,7 +288,14 @@ class AgentSession:
                 return attention(q, k_all, v_all, causal=True, window=window, q_offset=slot - lo, k_offset=0,
                                  backend=backend)
             w = (next(it), next(it), next(it)) if layer.is_adaptive and weights else None
-            h, _ = layer(h, pos_emb, attend, w)
+            history = KeyHistory(prev_BSC=next(key_prev)) if uses_key_shift(layer) else None
+            h, _ = layer(h, pos_emb, attend, w, history)
+            if history is not None:
+                key_last.append(history.last_BSC)
+        if keep_graph:
+            cache.key_pending = (slot + n, [t.detach() for t in key_last])
+        else:
+            cache.key_tail = (slot + n, key_last)
         rows = h[0, -1:] if want == [n - 1] else h[0, torch.tensor(want, dtype=torch.long, device=dev)]
         logits = m.lm_head(m.model.norm(rows))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -293,12 +307,17 @@ class AgentSession:
         return s.prompt_slots if self.model.policy.kind == "current_round" else start
 
     def _choose(self, logits_V: torch.Tensor, temperature: float, top_p: float) -> int:
+        """Greedy at temperature 0, else a sample from softmax(logits / T) restricted to the smallest
+        top-p prefix (top_p = 0 keeps the most likely token; masked -inf logits are never drawn)."""
         if temperature <= 0:
             return int(logits_V.argmax())
         probs = torch.softmax(logits_V.double() / temperature, -1).cpu()
+        if not torch.isfinite(probs).all() or probs.sum() <= 0:  # overflow at a tiny temperature: greedy
+            return int(logits_V.argmax())
         if top_p < 1.0:
             sorted_p, idx = probs.sort(descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < top_p  # smallest prefix with mass >= top_p
+            keep[0] = True  # top_p = 0: the most likely token
             probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
@@ -326,64 +345,73 @@ class AgentSession:
         weights = inner_loop_weights(self.model.initial_fast_weights(), differentiable=False)
         with torch.inference_mode():  # the cache already has room: only in-place writes below
             self._forward(r.input_ids, 0, 0, cache, weights, want=[])
+        cache.start_round()
         self._s = _State(ids=list(r.input_ids), kinds=list(r.kinds), rounds=list(r.rounds), cache=cache,
                          num_slots=n, prompt_slots=n, weights=weights, round=0, phase="act", round_start=0,
                          round_slot=0, messages=copy.deepcopy(messages), history=[], tools=copy.deepcopy(tools))
         return {"round": 0, "num_tokens": n}
 
     def act(self, *, force: dict | str | None = None, max_new_tokens: int | None = None,
-            temperature: float | None = None, top_p: float | None = None, on_token=None) -> dict:
+            temperature: float | None = None, top_p: float | None = None, on_token=None,
+            options: "DecodeOptions | None" = None) -> dict:
         """The next assistant message (parsed: reasoning_content, content, tool_calls, invalid_tool_calls).
 
         force: an assistant message (or its raw generated text) to feed instead of generating.
-        on_token: called with each generated token id as soon as it is chosen (streaming, latency)."""
+        on_token: called with each generated token id as soon as it is chosen (streaming, latency); an
+        exception it raises aborts the act and leaves the session as it was.
+        options: stop strings, banned / forced tokens, logprobs (DecodeOptions; temperature/top_p
+        arguments override its sampling fields)."""
+        if force is not None:
+            return self._act_forced(force)
+        decode = self.begin_decode(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                   on_token=on_token, options=options)
+        with torch.inference_mode():
+            logits_V = decode.first_logits()
+            while decode.step(logits_V):
+                logits_V = decode.forward_next()
+        return self.end_decode(decode)
+
+    def _act_forced(self, force: dict | str) -> dict:
         s = self._state()
         ag = self.agent
-        temperature = self.temperature if temperature is None else temperature
-        top_p = self.top_p if top_p is None else top_p
         r, start, w = s.round + 1, len(s.ids), s.weights
         slot0 = self._slot_of_new_round(s, start)
         prompt, end = ag.prompt_ids, ag.action_end_ids
-        log = RoundLog(round=r, forced=force is not None)
+        log = RoundLog(round=r, forced=True)
         # Cache writes go to slots at or after slot0, which no committed state still needs: full/window
         # write past the last valid slot; current_round overwrites the finished round, which `observe`
         # never reads (it re-runs its round from round 0's slots). So a failure leaves the session usable.
-        # The cache is grown first, so everything below runs under inference_mode (no autograd
-        # bookkeeping; its tensors are never kept, the cache only gets in-place writes).
-        if force is not None:
-            if isinstance(force, dict):
-                action = render_action(force, self.tokenizer)
-            else:
-                action = self.tokenizer.encode(str(force), add_special_tokens=False)
-                if not action or action[-1] != ag.im_end_id:
-                    action.append(ag.im_end_id)
-            s.cache.ensure(min(slot0 + len(prompt) + len(action) + len(end), self.max_context))
+        # The cache is grown first, so everything below runs under inference_mode.
+        if isinstance(force, dict):
+            action = render_action(force, self.tokenizer)
         else:
-            budget = self._budget(start, max_new_tokens or self.max_new_tokens)
-            s.cache.ensure(slot0 + len(prompt) + budget + len(end) + 1)
+            action = self.tokenizer.encode(str(force), add_special_tokens=False)
+            if not action or action[-1] != ag.im_end_id:
+                action.append(ag.im_end_id)
+        s.cache.ensure(min(slot0 + len(prompt) + len(action) + len(end), self.max_context))
         with torch.inference_mode():
-            if force is not None:
-                chunk = prompt + action + end
-                want = list(range(len(prompt) - 1, len(prompt) + len(action) - 1))
-                logits, _ = self._forward(chunk, start, slot0, s.cache, w, want)
-                log.action_token_nll = F.cross_entropy(logits, torch.tensor(action, device=logits.device),
-                                                       reduction="none").tolist()
-            else:
-                action, log.truncated, log.action_token_nll = self._generate(
-                    s, start, slot0, w, budget, temperature, top_p, on_token)
-        text = self.tokenizer.decode(action, skip_special_tokens=False)
-        message = parse_assistant_message(text)
+            chunk = prompt + action + end
+            want = list(range(len(prompt) - 1, len(prompt) + len(action) - 1))
+            logits, _ = self._forward(chunk, start, slot0, s.cache, w, want)
+            log.action_token_nll = F.cross_entropy(logits, torch.tensor(action, device=logits.device),
+                                                   reduction="none").tolist()
+        message = parse_assistant_message(self.tokenizer.decode(action, skip_special_tokens=False))
+        return self._commit_action(s, log, action, slot0, start, message)
+
+    def _commit_action(self, s: _State, log: RoundLog, action: list[int], slot0: int, start: int,
+                       message: dict) -> dict:
+        ag = self.agent
+        prompt, end = ag.prompt_ids, ag.action_end_ids
         if log.truncated:
             message["truncated"] = True
         log.action_ids = action
-        # commit
         n = len(prompt) + len(action) + len(end)
         s.ids += prompt + action + end
         s.kinds += [TokenKind.CONTEXT] * len(prompt) + [TokenKind.ACTION] * len(action) + [TokenKind.CONTEXT] * len(end)
-        s.rounds += [r] * n
+        s.rounds += [log.round] * n
         s.num_slots, s.round_start, s.round_slot = slot0 + n, start, slot0
-        s.round, s.phase = r, "acted"
-        s.messages.append({k: v for k, v in message.items() if k != "truncated"})
+        s.round, s.phase = log.round, "acted"
+        s.messages.append({k: v for k, v in message.items() if k not in ("truncated", "logprobs", "stopped")})
         s.history.append(log)
         return message
 
@@ -395,36 +423,34 @@ class AgentSession:
             raise ContextFullError(start + len(ag.prompt_ids) + len(ag.action_end_ids) + 1, self.max_context)
         return budget
 
-    def _generate(self, s: _State, start: int, slot0: int, w, budget: int, temperature: float, top_p: float,
-                  on_token=None):
-        """Decode one action: the generation prompt in one chunk, then one token per step into the
-        preallocated cache (grown beforehand: the caller runs this under inference_mode), until a stop
-        token or the budget; closes the turn (`<|im_end|>`, `\n`) in the cache. Returns (action ids
-        ending in <|im_end|>, truncated, NLL of each generated token)."""
-        ag = self.agent
-        prompt, end = ag.prompt_ids, ag.action_end_ids
-        logits, _ = self._forward(prompt, start, slot0, s.cache, w, [len(prompt) - 1])
-        pos, slot, action, nll = start + len(prompt), slot0 + len(prompt), [], []
-        while True:
-            logits_V = logits[-1]
-            tok = self._choose(logits_V, temperature, top_p)
-            if on_token is not None:
-                on_token(tok)
-            nll.append(float(torch.logsumexp(logits_V, -1) - logits_V[tok]))
-            action.append(tok)
-            if tok in ag.stop_ids or len(action) >= budget:
-                break
-            logits, _ = self._forward([tok], pos, slot, s.cache, w, [0])
-            pos, slot = pos + 1, slot + 1
-        tail = [action[-1]]
-        truncated = action[-1] not in ag.stop_ids
-        if truncated:
-            action.append(ag.im_end_id)
-            tail.append(ag.im_end_id)
-        elif action[-1] != ag.im_end_id:  # <|endoftext|>: close the turn as the renderer does
-            action[-1] = tail[-1] = ag.im_end_id
-        self._forward(tail + end, pos, slot, s.cache, w, [])
-        return action, truncated, nll
+    def begin_decode(self, *, max_new_tokens: int | None = None, temperature: float | None = None,
+                     top_p: float | None = None, on_token=None, options: "DecodeOptions | None" = None) -> "Decode":
+        """A generation in progress (see Decode): the cache is grown here, outside inference_mode; the
+        caller runs `first_logits` / `step` / forwards under inference_mode, then `end_decode`."""
+        s = self._state()
+        opts = options or DecodeOptions(temperature=self.temperature, top_p=self.top_p)
+        if temperature is not None or top_p is not None:
+            opts = dataclasses.replace(opts, temperature=opts.temperature if temperature is None else temperature,
+                                       top_p=opts.top_p if top_p is None else top_p)
+        start = len(s.ids)
+        slot0 = self._slot_of_new_round(s, start)
+        budget = self._budget(start, max_new_tokens or self.max_new_tokens)
+        s.cache.ensure(slot0 + len(self.agent.prompt_ids) + budget + len(self.agent.action_end_ids) + 1)
+        return Decode(self, s, start, slot0, budget, opts, on_token)
+
+    def end_decode(self, decode: "Decode") -> dict:
+        """Close the generated turn in the cache and commit it (the message, parsed)."""
+        if not decode.closed:
+            with torch.inference_mode():
+                decode.close()
+        d = decode
+        log = RoundLog(round=d.s.round + 1, truncated=d.truncated, action_token_nll=d.nll)
+        message = parse_assistant_message(d.text)
+        if d.opts.logprobs:
+            message["logprobs"] = d.logprobs
+        if d.stopped is not None:
+            message["stopped"] = d.stopped
+        return self._commit_action(d.s, log, d.action, d.slot0, d.start, message)
 
     def observe(self, outputs: str | list[str]) -> float | None:
         """Feed the tool output(s) of the last action; one inner step on W. Returns the observation's
@@ -465,13 +491,20 @@ class AgentSession:
         with torch.enable_grad() if can_update else torch.no_grad():
             w = tuple(x.detach().requires_grad_(True) for x in s.weights) if can_update else s.weights
             logits, new_kv = self._forward(round_ids, s.round_start, s.round_slot, s.cache, w, want, keep_graph=True)
+            key_tail = s.cache.key_pending  # the round's key history with W_{r-1}, as training carries it
             if want:
-                loss = F.cross_entropy(logits, labels)
-                obs_nll = float(loss.detach())
-            if can_update:
-                res = inner_sgd_step(loss, w, lr=ttt.inner_lr, max_norm=ttt.inner_max_norm, create_graph=False)
+                nll = F.cross_entropy(logits, labels, reduction="none")
+                obs_nll = float(nll.detach().mean())
+            if can_update:  # the event loop's step (ds_ttt/model/event_loop.py), inner_steps included
+                res = inner_update(nll.sum(), len(want), w, ttt, create_graph=False)
                 skipped = bool(res.skipped)
-                new_w = s.weights if skipped else tuple(x.detach() for x in res.weights)
+                for _ in range(1, ttt.inner_steps):
+                    again, _ = self._forward(round_ids, s.round_start, s.round_slot, s.cache, res.weights, want,
+                                             keep_graph=True)
+                    res = inner_update(F.cross_entropy(again, labels, reduction="sum"), len(want), res.weights, ttt,
+                                       create_graph=False)
+                    skipped = skipped or bool(res.skipped)
+                new_w = tuple(x.detach() for x in res.weights)  # a skipped step left W as it was
                 updated = not skipped
         if self.track_after and updated:
             with torch.no_grad():
@@ -482,6 +515,8 @@ class AgentSession:
         # ones written while acting, and the observation's follow them
         for i, (k, v) in enumerate(new_kv):
             s.cache.write(i, s.round_slot, k.detach(), v.detach())
+        s.cache.key_tail = key_tail
+        s.cache.start_round()
         log = s.history[-1]
         log.obs_tokens, log.obs_nll, log.obs_nll_after, log.updated, log.skipped = len(want), obs_nll, after, updated, skipped
         s.ids += obs_ids
@@ -499,3 +534,130 @@ class AgentSession:
         s = self._state()
         return {"round": s.round, "num_tokens": len(s.ids), "phase": s.phase,
                 "history": [dataclasses.asdict(h) | {"action_nll": h.action_nll} for h in s.history]}
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How one reply is generated (the OpenAI fields of ds_ttt/serve/openai_api.py map onto it)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()  # the reply ends where one of these first appears (cut before it)
+    ban_ids: tuple[int, ...] = ()  # never generated (tool_choice "none": the <tool_call> token)
+    force_after_think: tuple[int, ...] = ()  # fed once </think> is generated (tool_choice required / named)
+    end_ids: tuple[int, ...] = ()  # a generated id that ends the action (parallel_tool_calls false: </tool_call>)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class Decode:
+    """One reply being generated, one token per `step`: the unbatched loop (`AgentSession.act`) and the
+    batched scheduler (ds_ttt/serve/scheduler.py) run the same steps; only the forward that turns the
+    last token into the next logits differs. Everything here is the session's own: its fork, its W, its
+    RNG, its cache slots; nothing is committed until `AgentSession.end_decode`.
+
+    first_logits()  the generation prompt in one chunk -> logits of the first token [V]
+    step(logits_V)  choose the next token (forced, banned, sampled), record its NLL / logprobs, call
+                    on_token; True while another token is wanted: its forward is token `action[-1]` at
+                    position pos - 1, slot slot - 1
+    close()         the turn's end (<|im_end|>, `\n`) into the cache"""
+
+    def __init__(self, session: AgentSession, s: _State, start: int, slot0: int, budget: int, opts: DecodeOptions,
+                 on_token):
+        self.session, self.s, self.start, self.slot0, self.budget, self.opts = session, s, start, slot0, budget, opts
+        self.w = s.weights
+        self.on_token = on_token
+        ag = session.agent
+        self.stop_ids = ag.stop_ids | set(opts.end_ids)
+        self.pos = start + len(ag.prompt_ids)
+        self.slot = slot0 + len(ag.prompt_ids)
+        self.action: list[int] = []
+        self.nll: list[float] = []
+        self.logprobs: list[dict] = []
+        self.forced: list[int] = []
+        self.think_end = ag.tokenizer.convert_tokens_to_ids("</think>") if opts.force_after_think else None
+        self.truncated = False
+        self.stopped: str | None = None  # the stop string that ended the reply
+        self.text = ""
+        self._ban = torch.tensor(list(opts.ban_ids), dtype=torch.long) if opts.ban_ids else None
+        self.closed = False
+
+    def first_logits(self) -> torch.Tensor:
+        ses = self.session
+        logits, _ = ses._forward(ses.agent.prompt_ids, self.start, self.slot0, self.s.cache, self.w,
+                                 [len(ses.agent.prompt_ids) - 1])
+        return logits[-1]
+
+    def step(self, logits_V: torch.Tensor) -> bool:
+        ses, opts = self.session, self.opts
+        if self.forced:
+            tok = self.forced.pop(0)
+        else:
+            masked = logits_V
+            if self._ban is not None:
+                masked = logits_V.clone()
+                masked[self._ban.to(masked.device)] = float("-inf")
+            tok = ses._choose(masked, opts.temperature, opts.top_p)
+        if self.on_token is not None:
+            self.on_token(tok)
+        lse = torch.logsumexp(logits_V, -1)
+        self.nll.append(float(lse - logits_V[tok]))
+        self.action.append(tok)
+        if opts.logprobs and tok not in ses.agent.stop_ids:
+            self.logprobs.append(self._logprob_entry(tok, logits_V - lse))
+        if tok == self.think_end and opts.force_after_think and not self.forced and len(self.action) < self.budget:
+            self.forced = list(opts.force_after_think)
+            self.think_end = None
+        if opts.stop:
+            text = ses.tokenizer.decode(self.action, skip_special_tokens=False).split("<|im_end|>")[0]
+            hits = [(text.find(x), x) for x in opts.stop if x in text]
+            if hits:
+                at, self.stopped = min(hits)
+                self.text = text[:at]
+                return False
+        if tok in self.stop_ids or len(self.action) >= self.budget:
+            return False
+        self.pos, self.slot = self.pos + 1, self.slot + 1
+        return True
+
+    def forward_next(self) -> torch.Tensor:
+        """The unbatched forward of the last chosen token -> the next token's logits [V]."""
+        logits, _ = self.session._forward([self.action[-1]], self.pos - 1, self.slot - 1, self.s.cache, self.w, [0])
+        return logits[-1]
+
+    def _logprob_entry(self, tok: int, logp_V: torch.Tensor) -> dict:
+        tokenizer = self.session.tokenizer
+
+        def item(i: int, lp: float) -> dict:
+            text = tokenizer.decode([i], skip_special_tokens=False)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        entry = item(tok, float(logp_V[tok]))
+        k = self.opts.top_logprobs
+        if k:
+            vals, idx = logp_V.topk(min(k, logp_V.shape[-1]))
+            entry["top_logprobs"] = [item(int(i), float(v)) for v, i in zip(vals, idx)]
+        else:
+            entry["top_logprobs"] = []
+        return entry
+
+    def close(self) -> None:
+        """Close the turn (the session's `_generate` tail): <|im_end|> after a cut or a stop string,
+        <|endoftext|> closed as <|im_end|>, then the action end, written into the cache."""
+        ses, ag = self.session, self.session.agent
+        action = self.action
+        # the last chosen token has not been through the model yet
+        pos, slot = self.pos, self.slot
+        if self.stopped is None and action[-1] not in self.stop_ids and len(action) < self.budget:
+            raise AssertionError("close() before the decode ended")
+        tail = [action[-1]]
+        ended = action[-1] in ag.stop_ids
+        self.truncated = self.stopped is None and not ended and action[-1] not in self.opts.end_ids
+        if not ended:
+            action.append(ag.im_end_id)
+            tail.append(ag.im_end_id)
+        elif action[-1] != ag.im_end_id:  # <|endoftext|>: close the turn as the renderer does
+            action[-1] = tail[-1] = ag.im_end_id
+        if self.stopped is None:
+            self.text = ses.tokenizer.decode(action, skip_special_tokens=False)
+        ses._forward(tail + ag.action_end_ids, pos, slot, self.s.cache, self.w, [])
+        self.closed = True

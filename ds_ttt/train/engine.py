@@ -25,6 +25,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from ds_ttt.config import TTTConfig
 from ds_ttt.data.manifest import load_manifest
 from ds_ttt.model.hf_adapter import checkpoint_shards, copy_checked, is_prime_param, load_qwen3_config
 from ds_ttt.model.presets import backbone_config
@@ -40,7 +41,7 @@ from ds_ttt.train.schedule import Plan, make_plan, resolved_deepspeed, start_sch
 from ds_ttt.train.shared_output import check_shared_output
 
 # Settings that change the model's structure or meaning: a resume or a new data stage must keep them.
-STRUCTURAL_TTT = ("adaptive_layers", "prime_intermediate_size", "trainable_scope")
+STRUCTURAL_TTT = ("adaptive_layers", "prime_intermediate_size", "trainable_scope", "key_shift")
 # DeepSpeed settings that decide the data order (the batches, their split into micro-batches and ranks).
 DATA_ORDER_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                    "data_parallel_size")
@@ -94,9 +95,10 @@ def check_same_model(run: RunConfig, info: ckpt.RunInfo, backbone) -> None:
         raise ValueError(f"{info.checkpoint}: the backbone differs from this launch's (--preset/--model); "
                          f"use the checkpoint's model source {info.model_source}")
     for key in STRUCTURAL_TTT:
-        if getattr(run.ttt, key) != info.ttt[key]:
+        saved = info.ttt.get(key, TTTConfig().to_dict()[key])  # a field newer than the checkpoint: its default
+        if getattr(run.ttt, key) != saved:
             raise ValueError(f"ttt.{key}={getattr(run.ttt, key)!r} but {info.checkpoint} was trained with "
-                             f"{info.ttt[key]!r}; keep it the same to continue from that checkpoint")
+                             f"{saved!r}; keep it the same to continue from that checkpoint")
 
 
 def saved_data_order(info: ckpt.RunInfo) -> dict:

@@ -1,50 +1,57 @@
 """The one sandbox in which model-written and scripted bash commands run: bubblewrap plus a persistent shell.
 
     with Sandbox(timeout=5.0) as sb:                  # refuses (SandboxError) without a working `bwrap`
-        sb.write("notes.txt", "hello\\n")             # lands in /app/notes.txt inside
+        sb.write("notes.txt", "hello\\n")            # lands in /app/notes.txt inside
         sb.run("cd sub 2>/dev/null; export N=3")       # one bash per episode: cd, variables, jobs carry over
         result = sb.run("wc -l notes.txt; echo $N")    # CommandResult(output, exit_code, timed_out, ...)
     Sandbox(isolation="none")                          # an explicit choice to run without it (--no-isolation)
 
 Used by the trajectory generator (`generator.py`), the serve runner (`ds_ttt/serve/runner.py`) and the
 Harbor environment (`ds_ttt/serve/harbor_env.py`). docs/sandbox.md says what it protects against and
-what it does not; tests/unit/test_sandbox_hostile.py is the attack suite that backs those claims.
+what it does not; tests/unit/test_sandbox_hostile.py (and tests/harbor/ for Harbor) is the attack suite
+behind those claims.
 
-Layout. A fresh host directory BASE holds `root/` (R), the episode's own writable `/`. Inside the
-sandbox R is `/`; the working directory is `/app` (R/app, `sb.root` on the host), and `/tmp`,
-`/var/tmp` are R's own directories. `bwrap` (bubblewrap) builds the rest over R:
+What `bwrap` (bubblewrap) builds:
 
   bwrap --unshare-all --unshare-user --disable-userns --die-with-parent --new-session --cap-drop ALL
-        --uid 1000 --gid 1000 --bind R / --ro-bind /usr /usr  (+ /bin /lib /lib64 /sbin links or ro binds)
-        --ro-bind /etc /etc  (/etc/passwd, /etc/group replaced by the sandbox's own)
-        --proc /proc --dev /dev --tmpfs /dev/shm --tmpfs /run (size-capped) -- bash DRIVER
+        --as-pid-1 --uid 1000 --gid 1000 --ro-bind /usr /usr (+ /bin /lib /lib64 /sbin as on the host)
+        --ro-bind /etc /etc (/etc/passwd, /etc/group: the sandbox's own) --proc /proc --dev /dev
+        --tmpfs /dev/shm --tmpfs /run --tmpfs WORKDIR --tmpfs /tmp --tmpfs /var/tmp [--tmpfs HOME, dirs]
+        --remount-ro / -- bash SUPERVISOR
 
-so inside there is no network (a fresh network namespace: its own loopback only, and abstract Unix
-sockets are per network namespace), an unprivileged uid 1000 with no capabilities and no further user
-namespaces, a private PID namespace (no host process is visible), and no host path except the
-read-only system directories: host homes, the project checkout, host sockets (/run, /tmp, /dev/shm)
-and other sandboxes' directories do not exist there. When the caller is root, bwrap itself runs as
-uid 65534 (so that the kernel enforces the process limit, which it never does for the host's root);
-the sandbox's files then belong to 65534 on the host.
+No network (a fresh network namespace with only its own loopback; abstract Unix sockets belong to it
+too), an unprivileged uid 1000 without capabilities or further user namespaces, NO_NEW_PRIVS (setuid
+bits do nothing), a private PID namespace (no host process is visible), and no host path except the
+read-only system directories: host homes, the project checkout, host sockets and other sandboxes do
+not exist inside. The writable places are size-capped tmpfs mounts private to the sandbox (the
+working directory `/app` by default, HOME = the working directory unless given, /tmp, /var/tmp,
+/dev/shm, /run, and `dirs`); everything else is read-only. So "disk" is memory, bounded by the
+mounts' sizes. When the caller is root, bwrap itself runs as uid 65534, because the kernel never
+enforces the process limit for the host's root.
 
-The persistent shell. One `bash` (the DRIVER below) lives for the whole episode. The host sends each
-command NUL-terminated on the shell's stdin; the shell `eval`s it in itself (stdin /dev/null, stderr
-merged into stdout), then writes `$?` to a separate status pipe. So `cd`, `export`, functions and
-background jobs carry over, the output is exactly the command's bytes, and the exit code is exact.
-At the timeout or the output cap, every process that the command started is killed (the host walks
-the sandbox's process tree, sparing the shell and jobs from earlier commands); the shell then reports
-the status and lives on. If the shell itself is what runs (a builtin loop) or it exited, the whole
-sandbox is killed and a new shell starts at the next command in the same R: the files stay, the
-working directory, variables and jobs do not, and the observation says so.
+The host reaches the files only through the sandbox (`write`, `put`, `put_tree`, `read`, `get_tree`:
+cat/tar run inside, so a link made by a command cannot redirect a host read or write); `keep=True`
+exports the writable directories into BASE/root on close (`sb.root` is then the working directory's copy).
 
-Limits (per sandbox): at most `max_processes` processes (RLIMIT_NPROC, counted in the sandbox's own
-user namespace), `max_memory_bytes` of address space per process (RLIMIT_AS), `max_file_bytes` per
-file (RLIMIT_FSIZE), `max_cpu_seconds` of CPU per process (RLIMIT_CPU), no core files,
-`max_output_bytes` of output read per command (past it the command is killed and the result marked
-truncated), and `max_disk_bytes` / `MAX_DISK_FILES` in R (measured by the host every second while a
-command runs and after it; past it the command is killed). `isolation="none"` keeps the persistent
-shell, the output cap and the timeouts, and nothing else: commands run as the caller, in the host's
-filesystem, network and process table.
+The persistent shell. bash runs as PID 1 of the sandbox (the SUPERVISOR: PID 1 ignores every signal
+sent from inside, so no command can end the sandbox) and starts the DRIVER, the episode's shell. The
+host sends each command NUL-terminated on the shell's stdin; the shell `eval`s it in itself (stdin
+/dev/null, stderr merged into stdout), then writes `$?` to a separate status pipe. So `cd`, `export`,
+functions and background jobs carry over, the output is exactly the command's bytes, and the exit
+code is exact. At the timeout or the output cap every process the command started is killed (the
+host walks the sandbox's process tree, sparing the shell and jobs of earlier commands) and the shell
+lives on. If the shell itself is what runs (a builtin loop), or it exited (`exit 3`: exit code 3), the
+supervisor starts a new shell in the same sandbox: the files stay, the working directory, variables
+and jobs do not, and the observation says so.
+
+Limits: at most `max_processes` processes (RLIMIT_NPROC, counted in the sandbox's own user
+namespace), `max_memory_bytes` of address space per process (RLIMIT_AS), `max_file_bytes` per file
+(RLIMIT_FSIZE), `max_cpu_seconds` of CPU per process (RLIMIT_CPU), no core files, `max_output_bytes`
+of output read per command (past it the command is killed, the result marked truncated), and the
+tmpfs sizes (`max_disk_bytes` for the working directory, `max_scratch_bytes` for each other writable
+directory). `isolation="none"` keeps the persistent shell, the output cap, the timeouts and the
+per-process rlimits but not the process limit, and nothing else: commands run as the caller, in a
+host directory BASE/root (/app is BASE/root/app), with the host's files, network and process table.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
+import io
 import os
 import select
 import shlex
@@ -60,6 +68,7 @@ import signal
 import socket
 import stat
 import subprocess
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -79,23 +88,26 @@ WORKDIR = "/app"
 SANDBOX_UID = 1000  # the uid inside; it has no capabilities
 HOST_UID_FOR_ROOT = 65534  # bwrap runs as this uid when the caller is root (the kernel exempts root from RLIMIT_NPROC)
 MAX_OUTPUT_BYTES = 1 << 20  # what the host reads of one command's output before killing it
-MAX_PROCESSES = 256
-MAX_FILE_BYTES = 1 << 30  # RLIMIT_FSIZE: the largest file a command may write
+MAX_PROCESSES = 256  # RLIMIT_NPROC inside (threads count)
+MAX_FILE_BYTES = 256 << 20  # RLIMIT_FSIZE: the largest file a command may write
 MAX_MEMORY_BYTES = 4 << 30  # RLIMIT_AS per process
 MAX_CPU_SECONDS = 600  # RLIMIT_CPU per process
-MAX_DISK_BYTES = 2 << 30  # R's size, measured by the host
-MAX_DISK_FILES = 100_000  # R's entries, measured by the host
-TMPFS_BYTES = 64 << 20  # /dev/shm and /run (memory-backed)
+MAX_DISK_BYTES = 1 << 30  # the working directory's tmpfs
+MAX_SCRATCH_BYTES = 256 << 20  # each other writable tmpfs (/tmp, /var/tmp, HOME, dirs)
+SYSTEM_TMPFS_BYTES = 64 << 20  # /dev/shm and /run
+MAX_TRANSFER_BYTES = 1 << 30  # read() / get_tree()
 SYSTEM_DIRS = ("usr", "etc")  # bound read-only
 SYSTEM_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")  # merged-/usr links, or read-only binds
-KILL_GRACE_SEC = 2.0  # after killing a command's processes, how long the shell has to report its status
-DISK_CHECK_SEC = 1.0
+KILL_GRACE_SEC = 2.0  # after a kill, how long the shell has to report
 _READ_CHUNK = 1 << 16
 
-# The persistent shell. Requests arrive NUL-terminated on stdin: a kind ("shell" or "fresh") and a
-# command. "shell" runs in this shell; "fresh" in a subshell with stderr on fd 4 (Harbor's exec).
-# The status goes to fd 3; the command never holds fds 3 and 4 (or the request pipe).
-DRIVER = ("__ds_ttt_limits; "  # one line, so that bash reports errors as `bash: line 1: ...`, as `bash -c` does
+# PID 1: moves the status / stderr pipes to fds 3 / 4, then runs the episode's shell, again each time it ends.
+SUPERVISOR = ('exec 3>&{st} 4>&{err} {st}>&- {err}>&- 5>&2 2>/dev/null; '  # its own messages ("Killed ...") go nowhere
+              'while :; do bash --noprofile --norc -c "$1" bash 2>&5 5>&-; builtin printf \'exit %d\\n\' "$?" >&3; done')
+# The episode's shell, on one line so that bash reports errors as `bash: line 1: ...`, as `bash -c` does.
+# Requests arrive NUL-terminated on stdin: a kind ("shell": eval here; "fresh": in a subshell, stderr on
+# fd 4) and a command. The status goes to fd 3; a command never holds fds 3, 4 or the request pipe.
+DRIVER = ("{limits}; builtin printf 'ready %d\\n' $$ >&3; "
           "while builtin read -r -d '' __ds_kind && builtin read -r -d '' __ds_cmd; do "
           "if [ \"$__ds_kind\" = shell ]; then { builtin eval \"$__ds_cmd\"; } </dev/null 2>&1 3>&- 4>&-; "
           "else ( builtin eval \"$__ds_cmd\" ) </dev/null 2>&4 3>&- 4>&-; fi; "
@@ -114,9 +126,10 @@ class CommandResult:
     timed_out: bool = False
     output_truncated: bool = False  # the output passed max_output_bytes: the command was killed there
     output_bytes: int = 0  # bytes of output the host read (at most max_output_bytes + one chunk)
-    shell_restarted: bool = False  # the shell exited or had to be killed: a new one starts next time
-    disk_limit_exceeded: bool = False  # R passed max_disk_bytes / MAX_DISK_FILES: the command was killed
+    shell_restarted: bool = False  # the shell exited or had to be killed: a new one started in the same sandbox
+    files_lost: bool = False  # the whole sandbox had to be restarted: its files are gone
     stderr: str = ""  # only for run_fresh (Harbor's exec); run() merges stderr into output
+    raw: bytes = b""  # the output's bytes (for binary transfers)
 
 
 def bwrap_path() -> str | None:
@@ -133,9 +146,8 @@ def _refuse_text(problem: str) -> str:
 def isolation_problem() -> str | None:
     """None when bubblewrap sandboxes work here, else why not (probed once per process).
 
-    The probe starts a real sandbox and checks from the host that a file written to `/` inside landed
-    in R, that the uid inside is not 0, and that a TCP port listening on the host's 127.0.0.1 is not
-    reachable."""
+    The probe starts a real sandbox and checks that / is read-only inside, the working directory
+    writable, the uid SANDBOX_UID, and a TCP port listening on the host's 127.0.0.1 unreachable."""
     if bwrap_path() is None:
         return "`bwrap` is not on PATH"
     listener = socket.socket()
@@ -145,15 +157,18 @@ def isolation_problem() -> str | None:
         port = listener.getsockname()[1]
         try:
             with Sandbox(timeout=10.0, _probe=True) as sb:
-                res = sb.run(f"touch /probe; id -u; (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo REACHABLE; true")
+                res = sb.run(f"touch /app/probe; touch /probe; id -u; "
+                             f"(exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo REACHABLE; true")
                 if res.exit_code != 0:
                     return f"the probe command exited {res.exit_code}: {res.output.strip()[:300]}"
-                if not (sb.fs_root / "probe").is_file():
-                    return "a file written to / inside the sandbox did not land in its root directory"
-                if res.output.split()[:1] != [str(SANDBOX_UID)]:
-                    return f"the uid inside the sandbox is {res.output.strip()[:50]!r}, not {SANDBOX_UID}"
+                if "/probe': Read-only file system" not in res.output:
+                    return f"/ is writable inside the sandbox: {res.output.strip()[:300]}"
+                if f"\n{SANDBOX_UID}\n" not in res.output:
+                    return f"the uid inside the sandbox is not {SANDBOX_UID}: {res.output.strip()[:300]}"
                 if "REACHABLE" in res.output:
                     return "the host's 127.0.0.1 is reachable from inside the sandbox"
+                if sb.read("/app/probe") != b"":
+                    return "a file written inside the sandbox cannot be read back"
         except SandboxError as e:
             return str(e)
         return None
@@ -196,27 +211,6 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, onerror=fix)
 
 
-def disk_usage(root: Path, max_entries: int = MAX_DISK_FILES) -> tuple[int, int]:
-    """(bytes allocated, entries) under `root`, never following links; stops counting past max_entries."""
-    total, entries, stack = 0, 0, [str(root)]
-    while stack and entries <= max_entries:
-        try:
-            it = os.scandir(stack.pop())
-        except OSError:
-            continue
-        with it:
-            for e in it:
-                entries += 1
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                total += st.st_blocks * 512
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(e.path)
-    return total, entries
-
-
 def _tree(root_pid: int) -> list[tuple[int, int]]:
     """(pid, start time) of root_pid's descendants, read from /proc/PID/task/*/children."""
     out, stack = [], [root_pid]
@@ -246,8 +240,28 @@ def _start_time(pid: int) -> int:
         return -1
 
 
+def _inner_pid(pid: int) -> int | None:
+    """The PID that host process `pid` has in its innermost PID namespace (NSpid's last entry)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _kill(procs) -> None:
+    for pid, _start in procs:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 class Sandbox:
-    """One episode's sandbox: a root directory R, one persistent bash in bwrap, `run(command)`.
+    """One episode's sandbox: bwrap, one persistent bash, `run(command)`.
 
     isolation: "required" (default) refuses with `SandboxError` when bwrap does not work here; "none"
     runs the same shell without it. `self.isolation` is what is used ("bwrap" or "none"): record it.
@@ -260,73 +274,69 @@ class Sandbox:
                  max_output_bytes: int = MAX_OUTPUT_BYTES, max_processes: int = MAX_PROCESSES,
                  max_memory_bytes: int = MAX_MEMORY_BYTES, max_file_bytes: int = MAX_FILE_BYTES,
                  max_cpu_seconds: int = MAX_CPU_SECONDS, max_disk_bytes: int = MAX_DISK_BYTES,
-                 _probe: bool = False):
+                 max_scratch_bytes: int = MAX_SCRATCH_BYTES, _probe: bool = False):
         if max_output_bytes < 1:
             raise ValueError(f"max_output_bytes must be >= 1, got {max_output_bytes}")
-        if not PurePosixPath(workdir).is_absolute():
-            raise ValueError(f"workdir must be an absolute path inside the sandbox, got {workdir!r}")
+        for path in (workdir, home or "/", *dirs):
+            if not PurePosixPath(path).is_absolute() or ".." in PurePosixPath(path).parts:
+                raise ValueError(f"sandbox paths must be absolute, without '..': got {path!r}")
         self.isolation = "bwrap" if _probe else resolve_isolation(isolation)
         self._bwrap = bwrap_path()
         if self.isolation == "bwrap" and self._bwrap is None:
             raise SandboxError(_refuse_text("`bwrap` is not on PATH"))
-        self.base = Path(tempfile.mkdtemp(prefix="ds_ttt_sbx_", dir=parent)).resolve()
-        os.chmod(self.base, 0o711)  # bwrap (maybe as HOST_UID_FOR_ROOT) must reach R; nobody may list BASE
-        self.fs_root = self.base / "root"  # `/` inside
-        self.keep, self.timeout = keep, timeout
-        self.max_output_bytes, self.max_processes = max_output_bytes, max_processes
-        self.max_memory_bytes, self.max_file_bytes = max_memory_bytes, max_file_bytes
-        self.max_cpu_seconds, self.max_disk_bytes = max_cpu_seconds, max_disk_bytes
         self._as_uid = HOST_UID_FOR_ROOT if (os.geteuid() == 0 and self.isolation == "bwrap") else None
+        self.base = Path(tempfile.mkdtemp(prefix="ds_ttt_sbx_", dir=parent)).resolve()
+        os.chmod(self.base, 0o711)  # bwrap (maybe as HOST_UID_FOR_ROOT) reads passwd/group/xfer; nobody lists BASE
         if self._as_uid is not None:
             _check_reachable(self.base)
-        self.workdir = workdir
-        self.home = home or workdir
-        if self.isolation == "bwrap":
-            self._inside = lambda p: p  # paths inside are paths inside
-        else:  # no mount namespace: "/app" is R/app on the host
-            self._inside = lambda p: str(self.fs_root / PurePosixPath(p).relative_to("/"))
+        self.keep, self.timeout = keep, timeout
+        self.max_output_bytes, self.max_processes = max_output_bytes, max_processes
+        self.max_memory_bytes, self.max_file_bytes, self.max_cpu_seconds = max_memory_bytes, max_file_bytes, max_cpu_seconds
+        self.workdir, self.home = workdir, home or workdir
+        self.mounts: dict[str, int] = {workdir: max_disk_bytes}  # writable tmpfs mounts -> size
+        for d in (self.home, "/tmp", "/var/tmp", *dirs):
+            if not any(d == m or d.startswith(m.rstrip("/") + "/") for m in self.mounts):
+                self.mounts[d] = max_scratch_bytes
+        self.fs_root = self.base / "root"  # "none": the live `/`; "bwrap": where keep=True exports the mounts
+        self.root = self._host(workdir)  # the working directory on the host (live for "none", kept copy for "bwrap")
+        if self.isolation == "none":
+            for m in self.mounts:
+                self._host(m).mkdir(parents=True, exist_ok=True)
+            for d in ("/tmp", "/var/tmp"):
+                os.chmod(self._host(d), 0o1777)
         self.env = dict(SANDBOX_ENV, HOME=self._inside(self.home), TMPDIR=self._inside("/tmp"), **(env or {}))
-        for d in ("", "tmp", "var/tmp", *[PurePosixPath(x).relative_to("/") for x in (workdir, self.home, *dirs)]):
-            (self.fs_root / d).mkdir(parents=True, exist_ok=True)
-        for d in ("tmp", "var/tmp"):
-            os.chmod(self.fs_root / d, 0o1777)
-        self.root = self.fs_root / PurePosixPath(workdir).relative_to("/")  # the working directory, on the host
-        (self.base / "xfer").mkdir()  # uploads, bound read-only at /run/ds_ttt (never writable inside)
-        self._write_identity()
-        self._chown_tree(self.fs_root)
-        self._proc: subprocess.Popen | None = None
-        self._requests = self._status = self._err = None
-        self._protected: set[tuple[int, int]] = set()
-        self._started_once = False
-        self._restart_note = False  # the shell died between commands: say so in the next result
-        self._num_xfer = 0
-        self.num_restarts = 0
-
-    # ---- setup ---------------------------------------------------------------------------------
-    def _write_identity(self) -> None:
+        (self.base / "xfer").mkdir(mode=0o755)  # uploads, bound read-only at /run/ds_ttt inside
         (self.base / "passwd").write_text(f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
                                           f"agent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:{self.home}:/bin/bash\n"
                                           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
         (self.base / "group").write_text(f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n")
+        self._proc: subprocess.Popen | None = None
+        self._seed = tarfile.open(fileobj=io.BytesIO(), mode="w")  # files written before the shell starts
+        self._num_seeded = 0
+        self._num_xfer = 0
+        self._supervisor = self._driver = None  # (host pid, start time)
+        self._pending_note = (False, False)  # (shell restarted, files lost) to report with the next result
+        self.num_restarts = 0
 
-    def _chown_tree(self, top: Path) -> None:
-        """When bwrap runs as HOST_UID_FOR_ROOT, what the host put in R must be that uid's (never following links)."""
-        if self._as_uid is None:
-            return
-        os.lchown(top, self._as_uid, self._as_uid)
-        for dirpath, dirnames, filenames in os.walk(top):
-            for n in dirnames + filenames:
-                os.lchown(os.path.join(dirpath, n), self._as_uid, self._as_uid)
+    def _host(self, inside: str) -> Path:
+        return self.fs_root / PurePosixPath(inside).relative_to("/")
 
-    def _argv(self, st_fd: int, err_fd: int, src: dict[str, int] | None = None) -> list[str]:
-        limits = (f"exec 3>&{st_fd} 4>&{err_fd} {st_fd}>&- {err_fd}>&-; "
-                  f"ulimit -c 0 -t {self.max_cpu_seconds} -f {self.max_file_bytes // 1024} -v {self.max_memory_bytes // 1024}")
+    def _inside(self, path: str) -> str:
+        """A path inside the sandbox as the shell sees it ("none": under BASE/root on the host)."""
+        return path if self.isolation == "bwrap" else str(self._host(path))
+
+    # ---- the process -----------------------------------------------------------------------------
+    def _argv(self, st_fd: int, err_fd: int) -> list[str]:
+        limits = f"ulimit -c 0 -t {self.max_cpu_seconds} -f {self.max_file_bytes // 1024} -v {self.max_memory_bytes // 1024}"
+        if self.isolation == "bwrap":
+            limits += f" -u {self.max_processes}"
+        shell = ["bash", "--noprofile", "--norc", "-c", SUPERVISOR.replace("{st}", str(st_fd)).replace("{err}", str(err_fd)), "bash",
+                 DRIVER.replace("{limits}", limits)]
         if self.isolation == "none":
-            return ["bash", "--noprofile", "--norc", "-c", DRIVER.replace("__ds_ttt_limits", limits), "bash"]
-        limits += f" -u {self.max_processes}"
+            return shell
         argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-                "--new-session", "--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-                "--hostname", "sandbox", "--bind", f"/proc/self/fd/{src['root']}", "/"]
+                "--new-session", "--cap-drop", "ALL", "--as-pid-1", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+                "--hostname", "sandbox"]
         for name in SYSTEM_DIRS:
             argv += ["--ro-bind", f"/{name}", f"/{name}"]
         for name in SYSTEM_LINKS:
@@ -335,83 +345,90 @@ class Sandbox:
                 argv += ["--symlink", os.readlink(host), f"/{name}"]
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), f"/{name}"]
-        # Sources in BASE are passed as O_PATH descriptors: BASE's parents may be closed to HOST_UID_FOR_ROOT
-        argv += ["--ro-bind", f"/proc/self/fd/{src['passwd']}", "/etc/passwd",
-                 "--ro-bind", f"/proc/self/fd/{src['group']}", "/etc/group",
-                 "--proc", "/proc", "--dev", "/dev", "--size", str(TMPFS_BYTES), "--tmpfs", "/dev/shm",
-                 "--size", str(TMPFS_BYTES), "--tmpfs", "/run", "--ro-bind", f"/proc/self/fd/{src['xfer']}", "/run/ds_ttt",
-                 "--chdir", self.workdir, "--", "bash", "--noprofile", "--norc", "-c",
-                 DRIVER.replace("__ds_ttt_limits", limits), "bash"]
-        return argv
+        argv += ["--ro-bind", str(self.base / "passwd"), "/etc/passwd", "--ro-bind", str(self.base / "group"), "/etc/group",
+                 "--proc", "/proc", "--dev", "/dev", "--size", str(SYSTEM_TMPFS_BYTES), "--tmpfs", "/dev/shm",
+                 "--size", str(SYSTEM_TMPFS_BYTES), "--tmpfs", "/run", "--ro-bind", str(self.base / "xfer"), "/run/ds_ttt"]
+        for path, size in sorted(self.mounts.items(), key=lambda kv: len(PurePosixPath(kv[0]).parts)):
+            argv += (["--perms", "1777"] if path in ("/tmp", "/var/tmp") else []) + ["--size", str(size), "--tmpfs", path]
+        return argv + ["--remount-ro", "/", "--chdir", self.workdir, "--", *shell]
 
     def _start(self) -> None:
-        """Start bwrap and the shell, and wait for the shell to answer a first no-op request."""
-        for name in SYSTEM_LINKS:  # bwrap made these links in R last time (or a command replaced them)
-            p = self.fs_root / name
-            if p.is_symlink() or p.is_file():
-                p.unlink()
-            elif p.is_dir() and not any(p.iterdir()):
-                p.rmdir()
-            elif p.is_dir():
-                remove_tree(p)
+        """Start the sandbox, wait for the shell's `ready`, then copy in the files written so far."""
         pipes = [os.pipe() for _ in range(4)]  # requests, status, output, fresh stderr
         (req_r, req_w), (st_r, st_w), (out_r, out_w), (err_r, err_w) = pipes
-        # the status and stderr pipes reach the shell as fds >= 10; the driver moves them to 3 and 4
+        # the status and stderr pipes reach the supervisor as fds >= 10; it moves them to 3 and 4
         st_child, err_child = fcntl.fcntl(st_w, fcntl.F_DUPFD_CLOEXEC, 10), fcntl.fcntl(err_w, fcntl.F_DUPFD_CLOEXEC, 10)
-        src = {"root": self.fs_root, "passwd": self.base / "passwd", "group": self.base / "group", "xfer": self.base / "xfer"}
-        src = {k: os.open(v, os.O_PATH | os.O_CLOEXEC) for k, v in src.items()} if self.isolation == "bwrap" else {}
-        argv = self._argv(st_child, err_child, src)
+        argv = self._argv(st_child, err_child)
         user = {} if self._as_uid is None else {"user": self._as_uid, "group": self._as_uid, "extra_groups": []}
         try:
             self._proc = subprocess.Popen(argv, stdin=req_r, stdout=out_w, stderr=out_w, env=self.env,
                                           cwd="/" if self.isolation == "bwrap" else self.root, start_new_session=True,
-                                          pass_fds=(st_child, err_child, *src.values()), **user)
+                                          pass_fds=(st_child, err_child), **user)
         except OSError as e:
             raise SandboxError(f"could not start the sandbox ({argv[0]}): {e}") from e
         finally:
-            for fd in (req_r, st_w, out_w, err_w, st_child, err_child, *src.values()):
+            for fd in (req_r, st_w, out_w, err_w, st_child, err_child):
                 os.close(fd)
         for fd in (st_r, out_r, err_r):
             os.set_blocking(fd, False)
         self._requests, self._status, self._out, self._err = req_w, st_r, out_r, err_r
         self._status_buf = b""
-        self._protected = set()
-        self._started_once = True
-        res = self._request("shell", ":", ":", timeout=30.0, _starting=True)
-        if res.exit_code != 0 or res.shell_restarted:
-            raise SandboxError(f"the sandbox did not start (exit {res.exit_code}): {res.output.strip()[:2000]}"
-                               )
-        self._protected = set(self._processes())  # bwrap's init and the shell
+        kind, _value = self._next_status(time.monotonic() + 30.0)
+        if kind != "ready":
+            out = bytearray()
+            self._drain(self._out, out, 1 << 16)
+            self._stop()
+            raise SandboxError(f"the sandbox did not start: {bytes(out).decode(errors='replace').strip()[:2000]}")
+        kids = _tree(self._proc.pid)
+        self._supervisor = (self._proc.pid, _start_time(self._proc.pid)) if self.isolation == "none" else kids[0]
+        if self._num_seeded:
+            self._seed.close()
+            data = self._seed.fileobj.getvalue()
+            self._seed = tarfile.open(fileobj=io.BytesIO(), mode="w")
+            self._num_seeded = 0
+            res = self.put_tree(data, self.workdir)
+            if res.exit_code != 0:
+                raise SandboxError(f"copying the episode's files into the sandbox failed: {res.stderr.strip()[:2000]}")
 
-    def _processes(self) -> list[tuple[int, int]]:
-        return _tree(self._proc.pid) if self._proc is not None else []
+    def _find_driver(self, inner_pid: int) -> None:
+        for pid, start in _tree(self._proc.pid):
+            if _inner_pid(pid) == inner_pid:
+                self._driver = (pid, start)
+                return
+        self._driver = None
 
     def _stop(self) -> None:
-        """Kill every process of the sandbox (bwrap's outer process; its PID namespace dies with it)."""
+        """Kill every process of the sandbox (for bwrap: its PID namespace ends with its PID 1)."""
         if self._proc is None:
             return
-        procs = self._processes()
-        for sig_target in [self._proc.pid] + [p for p, _ in procs]:
-            try:
-                os.kill(sig_target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        _kill(_tree(self._proc.pid))
         try:
             os.killpg(self._proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         self._proc.wait()
+        _kill(_tree(self._proc.pid))
         for fd in (self._requests, self._status, self._out, self._err):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            os.close(fd)
         self._proc = None
 
     def close(self) -> None:
-        self._stop()
-        if not self.keep:
-            remove_tree(self.base)
+        try:
+            if self.keep and self.isolation == "bwrap" and self._proc is not None and self._proc.poll() is None:
+                self._export()
+        finally:
+            self._stop()
+            if not self.keep:
+                remove_tree(self.base)
+
+    def _export(self) -> None:
+        """keep=True: copy the writable mounts out to BASE/root (tar inside, a safe extract here)."""
+        for mount in self.mounts:
+            data = self.get_tree(mount)
+            target = self._host(mount)
+            target.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                tar.extractall(target, filter="data")
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -419,45 +436,76 @@ class Sandbox:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- files ---------------------------------------------------------------------------------
+    # ---- files -----------------------------------------------------------------------------------
     def write(self, rel: str, text: str | bytes, mode: int | None = None) -> None:
-        """Write a file under the working directory. Before the shell starts the host writes it directly;
-        afterwards through the sandbox, so that a link made by a command cannot redirect a host write."""
+        """Write a file under the working directory (before the shell starts: with the first command)."""
         data = text.encode() if isinstance(text, str) else text
         if ".." in PurePosixPath(rel).parts or PurePosixPath(rel).is_absolute():
             raise ValueError(f"write: {rel!r} must be a relative path without '..'")
-        if not self._started_once:
-            path = self.root / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-            if mode is not None:
-                os.chmod(path, mode)
-            self._chown_tree(self.fs_root)
+        if self._proc is None and self.num_restarts == 0:
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode, info.mtime = len(data), 0o644 if mode is None else mode, 0
+            self._seed.addfile(info, io.BytesIO(data))
+            self._num_seeded += 1
             return
         target = str(PurePosixPath(self.workdir) / rel)
         res = self.put(data, target, mode)
         if res.exit_code != 0:
             raise SandboxError(f"write of {target} inside the sandbox failed (exit {res.exit_code}): {res.stderr.strip()}")
 
-    def put(self, data: bytes, target: str, mode: int | None = None) -> CommandResult:
-        """Copy `data` to `target` (a path inside), resolved inside the sandbox."""
+    def add_tree(self, host_dir: str | Path) -> None:
+        """Copy a host directory's contents into the working directory (before the first command)."""
+        if self._proc is not None or self.num_restarts:
+            raise RuntimeError("add_tree: the sandbox has started; use put_tree")
+        self._seed.add(str(host_dir), arcname=".")
+        self._num_seeded += 1
+
+    def _xfer(self, data: bytes) -> tuple[Path, str]:
         self._num_xfer += 1
-        name = f"in-{self._num_xfer}"
-        src = self.base / "xfer" / name
+        src = self.base / "xfer" / f"in-{self._num_xfer}"
         src.write_bytes(data)
         os.chmod(src, 0o644)
-        inside_src = f"/run/ds_ttt/{name}" if self.isolation == "bwrap" else str(src)
-        q = shlex.quote
-        dst = self._inside(target)
-        cmd = f"mkdir -p -- \"$(dirname -- {q(dst)})\" && cat -- {q(inside_src)} > {q(dst)}"
+        return src, (f"/run/ds_ttt/{src.name}" if self.isolation == "bwrap" else str(src))
+
+    def put(self, data: bytes, target: str, mode: int | None = None) -> CommandResult:
+        """Copy `data` to `target` (a path inside, resolved inside the sandbox)."""
+        src, inside = self._xfer(data)
+        q, dst = shlex.quote, shlex.quote(self._inside(target))
+        cmd = f'mkdir -p -- "$(dirname -- {dst})" && cat -- {q(inside)} > {dst}'
         if mode is not None:
-            cmd += f" && chmod {mode:o} -- {q(dst)}"
+            cmd += f" && chmod {mode:o} -- {dst}"
         try:
             return self.run_fresh(cmd, timeout=max(self.timeout, 60.0))
         finally:
             src.unlink()
 
-    # ---- commands ------------------------------------------------------------------------------
+    def put_tree(self, tar_data: bytes, target_dir: str) -> CommandResult:
+        """Unpack a tar archive into `target_dir` (inside; made if missing)."""
+        src, inside = self._xfer(tar_data)
+        dst = shlex.quote(self._inside(target_dir))
+        try:
+            return self.run_fresh(f"mkdir -p -- {dst} && tar -xpf {shlex.quote(inside)} --no-same-owner -C {dst}",
+                                  timeout=max(self.timeout, 60.0))
+        finally:
+            src.unlink()
+
+    def read(self, path: str) -> bytes:
+        """The bytes of file `path` (inside); SandboxError if it cannot be read."""
+        res = self.run_fresh(f"cat -- {shlex.quote(self._inside(path))}", timeout=max(self.timeout, 60.0),
+                             max_output_bytes=MAX_TRANSFER_BYTES)
+        if res.exit_code != 0 or res.output_truncated:
+            raise SandboxError(f"read of {path} failed (exit {res.exit_code}): {res.stderr.strip()}")
+        return res.raw
+
+    def get_tree(self, path: str) -> bytes:
+        """A tar archive of directory `path` (inside)."""
+        res = self.run_fresh(f"tar -c -C {shlex.quote(self._inside(path))} .", timeout=max(self.timeout, 60.0),
+                             max_output_bytes=MAX_TRANSFER_BYTES)
+        if res.exit_code != 0 or res.output_truncated:
+            raise SandboxError(f"archiving {path} failed (exit {res.exit_code}): {res.stderr.strip()}")
+        return res.raw
+
+    # ---- commands --------------------------------------------------------------------------------
     def run(self, command: str, timeout: float | None = None) -> CommandResult:
         """Run `command` in the episode's shell (state carries over); stderr is merged into the output."""
         return self._request("shell", command, command, timeout)
@@ -465,7 +513,7 @@ class Sandbox:
     def run_fresh(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
                   timeout: float | None = None, max_output_bytes: int | None = None) -> CommandResult:
         """Run `bash -c command` in a new shell inside the same sandbox (as `docker exec` does): nothing
-        of the episode shell's state, stdout and stderr apart. Processes it leaves keep running."""
+        of the episode shell's state; stdout and stderr apart. Processes it leaves keep running."""
         q = shlex.quote
         variables = dict(self.env, **(env or {}))
         snippet = (f"cd -- {q(self._inside(cwd or self.workdir))} && exec env -i "
@@ -474,141 +522,142 @@ class Sandbox:
         return self._request("fresh", snippet, command, timeout, max_output_bytes)
 
     def _request(self, kind: str, payload: str, command: str, timeout: float | None,
-                 max_output_bytes: int | None = None, _starting: bool = False) -> CommandResult:
+                 max_output_bytes: int | None = None) -> CommandResult:
         if "\0" in payload:
             return CommandResult(command, "[error: the command contains a NUL byte]", 2)
-        if self._proc is not None and not _starting and self._proc.poll() is not None:
-            self._stop()  # the shell died since the last command (a background job killed it)
+        if self._proc is not None and self._proc.poll() is not None:
+            self._stop()  # cannot happen short of a kernel OOM kill: PID 1 ignores signals from inside
+            self._pending_note = (True, self.isolation == "bwrap")
             self.num_restarts += 1
-            self._restart_note = True
         if self._proc is None:
             self._start()
         timeout = self.timeout if timeout is None else timeout
         cap = self.max_output_bytes if max_output_bytes is None else max_output_bytes
-        before = set(self._processes())
-        request = f"{kind}\0{payload}\0".encode()
-        try:
-            while request:  # the shell reads as we write; a long command needs more than one pipe buffer
-                request = request[os.write(self._requests, request):]
-        except BrokenPipeError:
-            self._stop()
-            self.num_restarts += 1
-            self._restart_note = True
-            return self._request(kind, payload, command, timeout, max_output_bytes)
         out, err = bytearray(), bytearray()
-        total = 0
-        timed_out = truncated = disk = False
-        status: int | None = None
-        shell_gone = False
+        self._drain(self._out, out, cap)  # what background jobs printed since the last command comes first
+        before = set(_tree(self._proc.pid))
+        request = f"{kind}\0{payload}\0".encode()
+        while request:  # the shell reads as we write; a long command needs more than one pipe buffer
+            select.select([], [self._requests], [])
+            request = request[os.write(self._requests, request):]
         deadline = time.monotonic() + timeout
-        next_disk = time.monotonic() + DISK_CHECK_SEC
-        fds = [self._out, self._err, self._status]
-        while status is None and not shell_gone:
-            now = time.monotonic()
-            if now >= deadline:
-                timed_out = True
-                break
-            if self.isolation == "bwrap" and now >= next_disk:
-                next_disk = now + DISK_CHECK_SEC
-                if self._over_disk():
-                    disk = True
-                    break
-            ready = select.select(fds, [], [], min(deadline - now, DISK_CHECK_SEC))[0]
-            for fd in ready:
-                if fd == self._status:
-                    status, shell_gone = self._read_status()
-                else:
-                    n = self._drain(fd, out if fd == self._out else err, cap, total)
-                    total += n
-            if total > cap:
-                truncated = True
-                break
-        if status is None and not shell_gone:  # timeout, output cap or disk: kill what the command started
+        timed_out = truncated = False
+        status = self._collect(deadline, out, err, cap)
+        if status is None:
+            timed_out = len(out) + len(err) <= cap
+            truncated = not timed_out
             self._kill_new(before)
-            grace = time.monotonic() + KILL_GRACE_SEC
-            while status is None and not shell_gone and time.monotonic() < grace:
-                ready = select.select(fds, [], [], 0.05)[0]
-                for fd in ready:
-                    if fd == self._status:
-                        status, shell_gone = self._read_status()
-                    else:
-                        total += self._drain(fd, out if fd == self._out else err, cap, total)
-                if status is None:
-                    self._kill_new(before)
-        else:
-            total += self._drain(self._out, out, cap, total) + self._drain(self._err, err, cap, total)
-        restarted, self._restart_note = self._restart_note, False
-        if status is None or shell_gone:  # the shell exited or is itself stuck: a new one next time
-            if shell_gone and status is None:
-                try:
-                    status = self._proc.wait(timeout=KILL_GRACE_SEC)
-                except subprocess.TimeoutExpired:
-                    pass
-            self._stop()
-            self.num_restarts += 1
+            status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, cap, before)
+        restarted, lost = self._pending_note
+        self._pending_note = (False, False)
+        if status is None:  # the shell itself is busy (a builtin loop): kill it, the supervisor starts another
+            _kill(p for p in _tree(self._proc.pid) if p != self._supervisor)
+            status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, cap, stop_at_cap=False)
+            if status is None or status[0] != "exit":
+                self._stop()
+                lost = self.isolation == "bwrap"
             restarted = True
-        if self.isolation == "bwrap" and not disk and self._over_disk():
-            disk = True
-        text = bytes(out[:cap]).decode("utf-8", "replace")
-        err_text = bytes(err[:cap]).decode("utf-8", "replace")
-        code = 124 if timed_out else (status if status is not None else 137)
-        return CommandResult(command, text, code, timed_out=timed_out, output_truncated=truncated, output_bytes=total,
-                             shell_restarted=restarted, disk_limit_exceeded=disk, stderr=err_text)
+            self.num_restarts += 1
+        elif status[0] == "exit":
+            restarted = True
+            self.num_restarts += 1
+        if restarted and self._proc is not None:
+            kind_, value = self._next_status(time.monotonic() + KILL_GRACE_SEC)
+            if kind_ == "ready":
+                self._find_driver(value)
+            else:
+                self._stop()
+                lost = self.isolation == "bwrap"
+        if self._proc is not None:
+            self._drain(self._out, out, cap)
+            self._drain(self._err, err, cap)
+        truncated = truncated or len(out) + len(err) > cap
+        code = 124 if timed_out else (status[1] if status is not None else 137)
+        raw = bytes(out[:cap])
+        return CommandResult(command, raw.decode("utf-8", "replace"), code, timed_out=timed_out,
+                             output_truncated=truncated, output_bytes=len(out), shell_restarted=restarted,
+                             files_lost=lost, stderr=bytes(err[:cap]).decode("utf-8", "replace"), raw=raw)
 
-    def _read_status(self) -> tuple[int | None, bool]:
-        try:
-            chunk = os.read(self._status, 64)
-        except BlockingIOError:
-            return None, False
-        if not chunk:
-            return None, True  # the shell is gone
-        self._status_buf += chunk
-        if b"\n" not in self._status_buf:
-            return None, False
+    def _collect(self, deadline: float, out: bytearray, err: bytearray, cap: int,
+                 before: set | None = None, stop_at_cap: bool = True) -> tuple[str, int] | None:
+        """Read output until the shell reports ("status"|"exit", code); None at the deadline or past the cap
+        (with `before` given, keep killing what the command started while waiting)."""
+        fds = [self._out, self._err, self._status]
+        stop_at_cap = stop_at_cap and before is None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or (stop_at_cap and len(out) + len(err) > cap):
+                return None
+            for fd in select.select(fds, [], [], min(left, 0.05 if before is not None else left))[0]:
+                if fd == self._status:
+                    st = self._read_status_line()
+                    if st is not None and st[0] == "ready":
+                        self._find_driver(st[1])
+                    elif st is not None:
+                        return st
+                else:
+                    self._drain(fd, out if fd == self._out else err, cap)
+            if before is not None:
+                self._kill_new(before)
+
+    def _next_status(self, deadline: float) -> tuple[str, int] | tuple[None, None]:
+        while time.monotonic() < deadline:
+            if select.select([self._status], [], [], deadline - time.monotonic())[0]:
+                st = self._read_status_line()
+                if st is not None:
+                    if st[0] == "ready":
+                        self._find_driver(st[1])
+                    return st
+        return None, None
+
+    def _read_status_line(self) -> tuple[str, int] | None:
+        """One line of the status pipe: ("status", code), ("exit", code), ("ready", inner pid); EOF -> ("gone", 137)."""
+        while b"\n" not in self._status_buf:
+            try:
+                chunk = os.read(self._status, 64)
+            except BlockingIOError:
+                return None
+            if not chunk:
+                return ("exit", 137) if not self._status_buf else None
+            self._status_buf += chunk
         line, self._status_buf = self._status_buf.split(b"\n", 1)
+        words = line.decode(errors="replace").split()
         try:
-            return int(line), False
+            if len(words) == 1:
+                return ("status", int(words[0]))
+            if len(words) == 2 and words[0] in ("exit", "ready"):
+                return (words[0], int(words[1]))
         except ValueError:
-            return None, True  # not our protocol any more: treat the shell as broken
+            pass
+        return ("exit", 137)  # not the protocol: treat the shell as gone
 
     @staticmethod
-    def _drain(fd: int, buf: bytearray, cap: int, total: int) -> int:
-        n = 0
+    def _drain(fd: int, buf: bytearray, cap: int) -> None:
+        """Read what is there; keep at most cap + 1 bytes in buf (the rest is counted as dropped)."""
         while True:
             try:
                 chunk = os.read(fd, _READ_CHUNK)
             except BlockingIOError:
-                return n
+                return
             except OSError as e:
                 if e.errno == errno.EAGAIN:
-                    return n
+                    return
                 raise
             if not chunk:
-                return n
-            n += len(chunk)
-            room = max(0, cap + 1 - len(buf))
-            buf += chunk[:room]
-            if total + n > cap:
-                return n
+                return
+            buf += chunk[: max(0, cap + 1 - len(buf))]
+            if len(buf) > cap:
+                return
 
     def _kill_new(self, before: set[tuple[int, int]]) -> None:
-        """SIGKILL every process of the sandbox that is neither the shell, bwrap, nor from an earlier command."""
-        keep = before | self._protected
+        """SIGKILL every process of the sandbox that is not the supervisor, the shell or from an earlier command."""
+        keep = before | {self._supervisor, self._driver}
         for _ in range(50):
-            victims = [p for p in self._processes() if p not in keep]
+            victims = [p for p in _tree(self._proc.pid) if p not in keep]
             if not victims:
                 return
-            for pid, _start in victims:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            _kill(victims)
             time.sleep(0.002)
-
-    def _over_disk(self) -> bool:
-        used, entries = disk_usage(self.fs_root)
-        return used > self.max_disk_bytes or entries > MAX_DISK_FILES
-
 
 def _check_reachable(base: Path) -> None:
     """bwrap runs as HOST_UID_FOR_ROOT when the caller is root: every parent of BASE must be searchable by it."""
@@ -622,8 +671,8 @@ def _check_reachable(base: Path) -> None:
 
 def format_observation(result: CommandResult, max_chars: int = 2000) -> str:
     """The tool-result text the agent sees: the real output, trimmed of trailing newlines, with the exit
-    status appended when non-zero (and a note when the command timed out, the output was cut, the disk
-    limit was hit, or the shell had to be restarted)."""
+    status appended when non-zero (and a note when the command timed out, the output was cut, or the
+    shell had to be restarted)."""
     out = result.output.rstrip("\n")
     notes = []
     if result.output_truncated:
@@ -632,13 +681,14 @@ def format_observation(result: CommandResult, max_chars: int = 2000) -> str:
     elif len(out) > max_chars:
         notes.append(f"[output truncated: {len(result.output)} chars]")
         out = out[:max_chars]
-    if result.disk_limit_exceeded:
-        notes.append("[disk limit exceeded: the command was killed]")
     if result.timed_out:
         notes.append("[command timed out]")
     elif not result.output_truncated and result.exit_code != 0:
         notes.append(f"[exit code: {result.exit_code}]")
-    if result.shell_restarted:
+    if result.files_lost:
+        notes.append("[the sandbox was restarted: its files are lost; the working directory, variables and "
+                     "background jobs are reset]")
+    elif result.shell_restarted:
         notes.append("[the shell was restarted: files are kept; the working directory, variables and background "
                      "jobs are reset]")
     if notes:

@@ -80,10 +80,11 @@ def score_recovery(model, test, update: bool) -> dict:
     return {"nll": nll / max(tokens, 1), "tokens": tokens}
 
 
-def score_worlds_summary(model, tokenizer, num_worlds: int) -> dict:
-    from ds_ttt.evaluation.memory import memory_worlds, score_worlds
+def score_worlds_summary(model, tokenizer, num_worlds: int, seed_base: int | None) -> dict:
+    from ds_ttt.evaluation.memory import MEMORY_DEV_SEED_BASE, memory_worlds, score_worlds
 
-    res = score_worlds(model, memory_worlds(num_worlds), tokenizer, progress=False)
+    res = score_worlds(model, memory_worlds(num_worlds, MEMORY_DEV_SEED_BASE if seed_base is None else seed_base),
+                       tokenizer, progress=False)
     return {m: {k: s[k] for k in ("worlds", "readbacks", "facts_exact", "num_facts")} for m, s in res["summary"].items()}
 
 
@@ -104,6 +105,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--obs-weight", type=float, default=0.0)
     ap.add_argument("--prime-init-std", type=float, default=None)
+    ap.add_argument("--obs-loss-with-end", action="store_true", help="ttt.obs_loss_with_end (the main job's recipe)")
+    ap.add_argument("--key-shift", type=int, default=0, help="ttt.key_shift: the memory key's token-shift width")
+    ap.add_argument("--inner-loss", default="mean", choices=("mean", "sum"))
+    ap.add_argument("--inner-clip-kind", default="global", choices=("global", "per_matrix"))
+    ap.add_argument("--fast-matrices", default="all", choices=("all", "down"))
+    ap.add_argument("--inner-steps", type=int, default=1)
+    ap.add_argument("--world-seed-base", type=int, default=None,
+                    help="memory-world seeds (default: the dev seeds, ds_ttt.evaluation.memory.MEMORY_DEV_SEED_BASE)")
     ap.add_argument("--save", default=None, help="also save the trained model's state_dict and configs here (torch.save)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--memory-worlds", type=int, default=32, help="memory-test worlds to score at the end (0: skip)")
@@ -118,7 +127,9 @@ def main() -> None:
     ttt = TTTConfig(adaptive_layers=args.adaptive, prime_intermediate_size=args.prime, inner_lr=args.inner_lr,
                     inner_max_norm=args.inner_clip, context_policy=args.policy, trainable_scope="all",
                     checkpoint_events=False, obs_loss_weight=args.obs_weight,
-                    prime_init_std=args.prime_init_std)
+                    prime_init_std=args.prime_init_std, obs_loss_with_end=args.obs_loss_with_end,
+                    key_shift=args.key_shift, inner_loss=args.inner_loss, inner_clip=args.inner_clip_kind,
+                    fast_matrices=args.fast_matrices, inner_steps=args.inner_steps)
     torch.manual_seed(args.seed)
     model = TTTQwen3ForCausalLM(cfg, ttt)
     model.set_trainable_scope()
@@ -143,6 +154,10 @@ def main() -> None:
             model.eval()
             print(f"step {step} memory ttt {score_memory(model, test, True)} frozen {score_memory(model, test, False)}", flush=True)
             model.train()
+        if args.eval_every and step and step % args.eval_every == 0 and args.memory_worlds:
+            model.eval()
+            print(f"step {step} worlds {score_worlds_summary(model, manifest.tokenizer(), args.memory_worlds, args.world_seed_base)}", flush=True)
+            model.train()
         if time.time() - start > args.minutes * 60:
             break
     model.eval()
@@ -151,7 +166,7 @@ def main() -> None:
               "memory_ttt": score_memory(model, test, True), "memory_frozen": score_memory(model, test, False),
               "recovery_ttt": score_recovery(model, test, True), "recovery_frozen": score_recovery(model, test, False)}
     if args.memory_worlds:
-        result["memory_worlds"] = score_worlds_summary(model, manifest.tokenizer(), args.memory_worlds)
+        result["memory_worlds"] = score_worlds_summary(model, manifest.tokenizer(), args.memory_worlds, args.world_seed_base)
     print(json.dumps(result, indent=1))
     if args.save:
         torch.save({"state_dict": model.state_dict(), "config": cfg.to_dict(), "ttt": ttt.to_dict()}, args.save)

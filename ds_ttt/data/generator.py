@@ -121,16 +121,18 @@ def _run_episode(traj_id: str, family: str, variant: str, play, seed: int, keep_
 
 
 def generate_memory_world(seed: int, num_distractors: int | None = None, keep_dir: str | None = None,
-                          isolation: str = "required") -> dict:
-    """A fresh memory world: two keys written to two files by real commands, read back in later rounds.
+                          isolation: str = "required", pool: str = "heldout") -> dict:
+    """A fresh memory world (families.memory_world) from the held-out pool unless `pool="train"`:
+    keys written by real commands, read back in later rounds.
 
     meta.values = {name: key}; meta.readbacks = [{"round", "path", "value", "source_round"}] (the
     observation of `round` must reproduce the value first observed in `source_round`);
-    meta.memory_checks = [{"round", "fact", "source_round"}] for the final action that writes both keys.
+    meta.memory_checks = [{"round", "fact", "source_round"}] for the final action that writes the keys.
     """
     rng = random.Random(f"memory-world:{seed}")
     return _run_episode(f"memworld-{seed}", "memory", "memory_world",
-                        lambda ep: memory_world(ep, rng, num_distractors=num_distractors), seed, keep_dir, isolation)
+                        lambda ep: memory_world(ep, rng, num_distractors=num_distractors, pool=pool), seed, keep_dir,
+                        isolation)
 
 
 def _work(args):

@@ -26,7 +26,9 @@ import pathlib
 
 from ds_ttt.evaluation.runner import MODES, evaluate_trajectory, set_context_policy
 
-MEMORY_SEED_BASE = 1_000_000
+MEMORY_SEED_BASE = 1_000_000  # the test seeds: reported, never used to choose a setting
+MEMORY_DEV_SEED_BASE = 2_000_000  # the dev seeds: every setting is chosen on these
+MEMORY_SPLITS = {"test": MEMORY_SEED_BASE, "dev": MEMORY_DEV_SEED_BASE}
 RESULTS_FORMAT = "ds_ttt-memory-v1"
 
 

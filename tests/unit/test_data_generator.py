@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_ttt.data.families import MEMORY_POOLS
 from ds_ttt.data.generator import FAMILY_NAMES, generate, generate_memory_world, generate_one, write_outputs
 from ds_ttt.data.sandbox import Sandbox, network_isolation_available
 from ds_ttt.data.schema import normalize_trajectory
@@ -93,9 +94,14 @@ def test_memory_world_values_are_real_and_meta_consistent(keep_dir):
     w = generate_memory_world(31, keep_dir=str(tmp_path))
     root = Path(w["meta"]["sandbox"])
     salt = re.search(r"\$1-([0-9a-f]+)", (root / "bin" / "keygen").read_text()).group(1)
+    fmt = w["meta"]["memory_format"]
+    assert w["meta"]["memory_pool"] == "heldout" and fmt["format"] in MEMORY_POOLS["heldout"]["formats"]
+    assert set(w["meta"]["values"]) <= set(MEMORY_POOLS["heldout"]["names"])
+    mapped = {"hexdash": lambda h: h[:4] + "-" + h[4:], "hexupper": str.upper}[fmt["format"]]
     for name, value in w["meta"]["values"].items():
-        assert value == hashlib.sha256(f"{name}-{salt}".encode()).hexdigest()[:10]
-        assert (root / "vault" / f"{name}.key").read_text().strip() == value
+        assert value == mapped(hashlib.sha256(f"{name}-{salt}".encode()).hexdigest()[:fmt["length"]])
+    for rb in w["meta"]["readbacks"]:
+        assert rb["value"] in (root / rb["path"]).read_text()
     rounds = per_round(w)
     for rb in w["meta"]["readbacks"]:
         assert rounds[rb["round"]]["obs"] == rb["value"]  # the readback observation reproduces the fact
@@ -105,6 +111,25 @@ def test_memory_world_values_are_real_and_meta_consistent(keep_dir):
         assert mc["fact"] in rounds[mc["round"]]["cmd"]
     assert generate_memory_world(31) == {**w, "meta": {k: v for k, v in w["meta"].items() if k != "sandbox"}}
     assert generate_memory_world(32)["meta"]["values"] != w["meta"]["values"]
+
+
+def test_memory_world_pools_are_disjoint_and_training_varies_the_world():
+    """Training worlds vary keys (1-4), formats and stores; the held-out pool shares no name, format or
+    readback with them, and every held-out value still uses characters training values use."""
+    train, held = MEMORY_POOLS["train"], MEMORY_POOLS["heldout"]
+    for field in ("names", "formats", "stores"):
+        assert not set(train[field]) & set(held[field]), field
+    seen = {"num_keys": set(), "format": set(), "store": set()}
+    for seed in range(40):
+        w = generate_memory_world(500 + seed, pool="train")
+        f = w["meta"]["memory_format"]
+        seen["num_keys"].add(f["num_keys"]), seen["format"].add(f["format"]), seen["store"].add(f["store"])
+        assert len(w["meta"]["readbacks"]) == f["num_keys"] == len(w["meta"]["values"])
+    assert seen == {"num_keys": {1, 2, 3, 4}, "format": set(train["formats"]), "store": set(train["stores"])}
+    train_chars = set("0123456789abcdef") | set("ABCDEFGHIJKLMNOP")
+    for seed in range(10):
+        for v in generate_memory_world(seed)["meta"]["values"].values():
+            assert set(v) <= train_chars | {"-"}
 
 
 def test_find_fact_tokens_in_memory_world():

@@ -56,8 +56,11 @@ def test_shipped_deepspeed_configs_validate(path):
         assert layout.prefix_per_stage == {1: (), 4: (9, 9, 9)}[stages]  # one stage: everything on it
     else:
         run = load_run_config(str(ROOT / "ds_configs/run_cpu_tiny.json"), {"data": "d", "output": "o"}, {})
-        layout = validate_deepspeed(run, ds, 4, backbone_config(run.preset).num_hidden_layers)
-        assert layout.num_stages == 4 and ds.get("bf16", {}).get("enabled", False) is False
+        # cpu_tiny.json: 4 stages on 4 CPU ranks; cpu_tiny_pp{stages}[_dp{dp}].json otherwise
+        m = re.fullmatch(r"cpu_tiny(?:_pp(\d+))?(?:_dp(\d+))?\.json", path.name)
+        stages, dp = int(m.group(1) or 4), int(m.group(2) or 1)
+        layout = validate_deepspeed(run, ds, stages * dp, backbone_config(run.preset).num_hidden_layers)
+        assert layout.num_stages == stages and ds.get("bf16", {}).get("enabled", False) is False
     plan = make_plan(run, num_train=1000, retained_rounds=5000, train_batch_size=ds["train_batch_size"])
     sched = resolved_deepspeed(ds, plan)["scheduler"]["params"]
     assert sched["total_num_steps"] == plan.planned_steps and sched["warmup_num_steps"] == plan.warmup_steps

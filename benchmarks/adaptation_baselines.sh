@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# TTT against the agent users would otherwise train: four models through the real trainer on the same
+# data, steps and seed, scored on held-out sets that can tell them apart (issue 19).
+#
+#   bash benchmarks/adaptation_baselines.sh [WORK_DIR]         # WORK_DIR defaults to runs/baselines
+#   SMOKE=1 bash benchmarks/adaptation_baselines.sh runs/smoke  # CI's minute-scale version (tiny everything)
+#
+# Rows, one after another, each in the main job's layout (`deepspeed --num_gpus 2 launch/train.py` with
+# ds_configs/cpu_tiny_pp1_dp2.json: one stage, two data-parallel CPU ranks of one thread each; the
+# arrangement measured fastest here, docs/adaptation.md):
+#   sft_full      adaptive_layers=0, trainable_scope=all, full context   (the ordinary agent)
+#   sft_current   adaptive_layers=0, trainable_scope=all, current_round  (no memory at all: the floor)
+#   ttt_full      the main job's TTT recipe, full context
+#   ttt_current   the main job's TTT recipe, current_round               (the main job's model)
+# Every model is scored under its training policy on the test split's held-out sets (evals/heldout_sets.py:
+# 128 memory worlds of the held-out pool, >= 100 memory-check rounds, >= 200 recovery rounds, prompts
+# never seen in training); TTT models also with their updates off (labelled ablation).
+# Writes OUT.{json,md,png} (OUT = benchmarks/results/adaptation_baselines; SMOKE: WORK_DIR/report) with
+# the command, seeds and the load average at start and end. Knobs: MAX_STEPS (1000), NUM_TRAJ (300),
+# NUM_EXTRA (600), SEED (0), RUN_CONFIG (ds_configs/run_cpu_tiny.json), DATA (reuse a manifest), OUT.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+WORK="${1:-runs/baselines}"
+SMOKE="${SMOKE:-0}"
+if [ "$SMOKE" = 1 ]; then
+  MAX_STEPS="${MAX_STEPS:-4}" NUM_TRAJ="${NUM_TRAJ:-40}" NUM_EXTRA="${NUM_EXTRA:-20}"
+  WORLDS=4 MEMORY=3 RECOVERY=3 OUT="${OUT:-$WORK/report}"
+else
+  MAX_STEPS="${MAX_STEPS:-1000}" NUM_TRAJ="${NUM_TRAJ:-300}" NUM_EXTRA="${NUM_EXTRA:-600}"
+  WORLDS=128 MEMORY=100 RECOVERY=200 OUT="${OUT:-benchmarks/results/adaptation_baselines}"
+fi
+SEED="${SEED:-0}"
+RUN_CONFIG="${RUN_CONFIG:-ds_configs/run_cpu_tiny.json}"
+DS_CONFIG="${DS_CONFIG:-ds_configs/cpu_tiny_pp1_dp2.json}"
+PY=.venv/bin/python
+export OMP_NUM_THREADS=1 WANDB_MODE="${WANDB_MODE:-offline}" DS_ACCELERATOR=cpu
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}"
+mkdir -p "$WORK"
+load_start=$(cut -d' ' -f1 /proc/loadavg)
+t0=$(date +%s)
+step() { echo; echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
+
+if [ -z "${DATA:-}" ]; then
+  step "data: $NUM_TRAJ trajectories (seed $SEED) + $NUM_EXTRA memory episodes (seed $((SEED + 1))), compact vocabulary"
+  $PY data_prep/generate.py --out "$WORK/raw" --num "$NUM_TRAJ" --seed "$SEED" --no-token-stats
+  $PY data_prep/generate.py --out "$WORK/raw_extra" --num "$NUM_EXTRA" --seed "$((SEED + 1))" --family memory --no-token-stats
+  $PY data_prep/prepare.py --inputs "$WORK/raw/trajectories.jsonl" --train-only "$WORK/raw_extra/trajectories.jsonl" \
+    --out "$WORK/data" --seed "$SEED" --trim-vocab > "$WORK/prepare.log"
+  DATA="$WORK/data/manifest.json"
+fi
+
+step "held-out sets (test split): $WORLDS worlds, >= $MEMORY memory-check rounds, >= $RECOVERY recovery rounds"
+$PY evals/heldout_sets.py --manifest "$DATA" --out "$WORK/sets" --split test --worlds "$WORLDS" \
+  --memory "$MEMORY" --recovery "$RECOVERY" > /dev/null
+
+train_row() {  # NAME TTT_OVERRIDE...
+  local name=$1
+  shift
+  local overrides=()
+  for kv in "$@"; do overrides+=(--ttt "$kv"); done
+  step "train $name ($MAX_STEPS steps): $*"
+  .venv/bin/deepspeed --num_gpus 2 launch/train.py --deepspeed_config "$DS_CONFIG" \
+    --run_config "$RUN_CONFIG" --data "$DATA" --output "$WORK/$name" --max_steps "$MAX_STEPS" --seed "$SEED" \
+    "${overrides[@]}" > "$WORK/$name.train.log" 2>&1 || { echo "[baselines] $name failed: see $WORK/$name.train.log"; tail -n 20 "$WORK/$name.train.log"; return 1; }
+  echo "[baselines] $name trained ($(( $(date +%s) - t0 )) s)"
+}
+
+train_row ttt_current context_policy=current_round
+train_row ttt_full context_policy=full
+train_row sft_full adaptive_layers=0 trainable_scope=all context_policy=full
+train_row sft_current adaptive_layers=0 trainable_scope=all context_policy=current_round
+
+step "score every model on the held-out sets (two at a time)"
+score() { $PY evals/score_baseline.py --checkpoint "$WORK/$1" --sets "$WORK/sets" --label "$1" --out "$WORK/$1.row.json" 2> "$WORK/$1.score.log"; }
+score ttt_current & a=$!
+score ttt_full & b=$!
+wait $a && wait $b
+score sft_full & a=$!
+score sft_current & b=$!
+wait $a && wait $b
+
+load_end=$(cut -d' ' -f1 /proc/loadavg)
+elapsed=$(( $(date +%s) - t0 ))
+step "report -> $OUT.{json,md,png}"
+$PY evals/baselines_report.py --rows "$WORK"/ttt_current.row.json "$WORK"/ttt_full.row.json "$WORK"/sft_full.row.json \
+  "$WORK"/sft_current.row.json --out "$OUT" \
+  --command "SMOKE=$SMOKE MAX_STEPS=$MAX_STEPS NUM_TRAJ=$NUM_TRAJ NUM_EXTRA=$NUM_EXTRA SEED=$SEED RUN_CONFIG=$RUN_CONFIG bash benchmarks/adaptation_baselines.sh $WORK" \
+  --seeds "{\"main_corpus\": $SEED, \"extra_memory_episodes\": $((SEED + 1)), \"train\": $SEED, \"max_steps\": $MAX_STEPS}" \
+  --load-start "$load_start" --load-end "$load_end" --extra "{\"seconds\": $elapsed, \"run_config\": \"$RUN_CONFIG\"}"
+step "done in $(( $(date +%s) - t0 )) s"

@@ -130,6 +130,7 @@ class CommandResult:
     files_lost: bool = False  # the whole sandbox had to be restarted: its files are gone
     stderr: str = ""  # only for run_fresh (Harbor's exec); run() merges stderr into output
     raw: bytes = b""  # the output's bytes (for binary transfers)
+    process_limit_hit: bool = False  # the command left the sandbox at its process limit: its processes were killed
 
 
 def bwrap_path() -> str | None:
@@ -568,6 +569,11 @@ class Sandbox:
             else:
                 self._stop()
                 lost = self.isolation == "bwrap"
+        at_limit = False
+        if self._proc is not None and self.isolation == "bwrap" and len(_tree(self._proc.pid)) >= 0.9 * self.max_processes:
+            at_limit = True  # a fork bomb in the background would hold the sandbox at its limit for good
+            self._kill_new(before)
+            time.sleep(0.05)  # let the dying processes' last output arrive
         if self._proc is not None:
             self._drain(self._out, out, cap)
             self._drain(self._err, err, cap)
@@ -576,7 +582,8 @@ class Sandbox:
         raw = bytes(out[:cap])
         return CommandResult(command, raw.decode("utf-8", "replace"), code, timed_out=timed_out,
                              output_truncated=truncated, output_bytes=len(out), shell_restarted=restarted,
-                             files_lost=lost, stderr=bytes(err[:cap]).decode("utf-8", "replace"), raw=raw)
+                             files_lost=lost, stderr=bytes(err[:cap]).decode("utf-8", "replace"), raw=raw,
+                             process_limit_hit=at_limit)
 
     def _collect(self, deadline: float, out: bytearray, err: bytearray, cap: int,
                  before: set | None = None, stop_at_cap: bool = True) -> tuple[str, int] | None:
@@ -685,6 +692,8 @@ def format_observation(result: CommandResult, max_chars: int = 2000) -> str:
         notes.append("[command timed out]")
     elif not result.output_truncated and result.exit_code != 0:
         notes.append(f"[exit code: {result.exit_code}]")
+    if result.process_limit_hit:
+        notes.append("[the sandbox was at its process limit: every process this command started was killed]")
     if result.files_lost:
         notes.append("[the sandbox was restarted: its files are lost; the working directory, variables and "
                      "background jobs are reset]")

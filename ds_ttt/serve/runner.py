@@ -5,22 +5,22 @@
         [--device cpu] [--attention-backend {auto,reference,cpu,cuda}] [--no-isolation]
 
 Each command runs through `ds_ttt.data.sandbox.Sandbox`, the generator's own sandbox, so the
-observations look exactly like the training data: `bash --noprofile --norc -c CMD` in a fresh throwaway
-directory (also HOME), C locale, fixed PATH, stdin from /dev/null, a timeout, an output cap, and
-per-command user/network/mount/PID namespaces (no network, writes only inside the throwaway root, a
-process cap; see ds_ttt/data/sandbox.py for what it protects and what it does not). Without the
-namespaces (no `unshare`, or unprivileged user namespaces disabled) the runner refuses; --no-isolation
-accepts running the model's commands with this machine's network, write access and process table.
-The output is formatted by `format_observation` (exit code and timeout notes appended, long output
-cut). The directory is deleted afterwards unless --keep.
+observations look exactly like the training data: one persistent bash per episode (a `cd`, an
+`export` or a background job carries over to the next call) in a bubblewrap sandbox with no network,
+an unprivileged uid, only its own size-capped working directory (`/app`, also HOME) and /tmp writable,
+C locale, fixed PATH, stdin from /dev/null, a timeout that kills the command (the shell and its files
+stay), an output cap and process/memory/file limits (docs/sandbox.md says what it protects and what
+it does not). Without `bwrap` the runner refuses, naming the install command; --no-isolation accepts
+running the model's commands with this machine's network, files and process table.
+The output is formatted by `format_observation` (exit code, timeout and shell-restart notes appended,
+long output cut). With --keep the working directory is copied out to the printed directory at the end.
 Prints one JSON line per round (message, observation, observation loss) and a final summary, which
-records the sandbox isolation used ("unshare" or "none") and the attention backend.
+records the sandbox isolation used ("bwrap" or "none") and the attention backend.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,14 +28,16 @@ from ds_ttt.data.sandbox import Sandbox, format_observation
 
 
 class BashToolRunner:
-    """Executes `bash` tool calls (arguments {"command": ...}) in one throwaway sandbox directory."""
+    """Executes `bash` tool calls (arguments {"command": ...}) in one episode's sandbox and shell.
+
+    `sandbox_options` go to `Sandbox` (limits such as max_disk_bytes, max_processes)."""
 
     def __init__(self, *, timeout: float = 10.0, max_output_chars: int = 2000, keep: bool = False,
-                 setup_dir: str | Path | None = None, isolation: str = "required"):
-        self.sandbox = Sandbox(keep=keep, timeout=timeout, isolation=isolation)
+                 setup_dir: str | Path | None = None, isolation: str = "required", **sandbox_options):
+        self.sandbox = Sandbox(keep=keep, timeout=timeout, isolation=isolation, **sandbox_options)
         self.max_output_chars = max_output_chars
         if setup_dir is not None:
-            shutil.copytree(setup_dir, self.sandbox.root, dirs_exist_ok=True)
+            self.sandbox.add_tree(setup_dir)
 
     @property
     def root(self) -> Path:
@@ -43,7 +45,7 @@ class BashToolRunner:
 
     @property
     def isolation(self) -> str:
-        """What the sandbox uses: "unshare" (namespaces) or "none" (--no-isolation)."""
+        """What the sandbox uses: "bwrap" (bubblewrap) or "none" (--no-isolation)."""
         return self.sandbox.isolation
 
     def __enter__(self) -> "BashToolRunner":
@@ -115,8 +117,8 @@ def main(argv=None) -> int:
                    help="attention kernel: reference (default), auto (cuda on a GPU, cpu kernel on a CPU), cpu, cuda")
     p.add_argument("--keep", action="store_true", help="keep the sandbox directory")
     p.add_argument("--no-isolation", action="store_true",
-                   help="run the model's commands without the sandbox's namespaces (with this machine's network, "
-                        "write access and process table) where they are unavailable; recorded in the summary")
+                   help="run the model's commands without bubblewrap (with this machine's network, files and "
+                        "process table) where it is unavailable; recorded in the summary")
     args = p.parse_args(argv)
     from ds_ttt.serve.session import AgentSession
 

@@ -1,0 +1,120 @@
+"""The hostile-command suite against the generator's `Sandbox` and the serve runner's `BashToolRunner`.
+
+    .venv/bin/python -m pytest tests/unit/test_sandbox_hostile.py -q
+
+Every attack of tests/unit/hostile.py (chroot and pivot_root escapes, /proc/1/root, /proc/<host pid>,
+ptrace, mount, setuid binaries, Unix sockets in /dev/shm, /run and /tmp, an abstract socket, loopback
+TCP to a server this test starts, fork and memory bombs, disk fill, output flood, writes outside the
+root, reading a host file outside the binds) runs in a fresh sandbox of each place and must fail: the
+secret never shows, no host server sees a connection, the sentinel tree's hash is unchanged, nothing
+appears at the host paths written to, and the attack's own check holds. tests/harbor/ runs the same
+attacks through Harbor's `SandboxEnvironment`. The sandboxes here use small disk and file caps (the
+same tmpfs and RLIMIT_FSIZE mechanism as the defaults) so a fill costs 64 MiB, not 1 GiB.
+"""
+
+import json
+import os
+import re
+import threading
+import time
+
+import pytest
+
+from ds_ttt.data import sandbox as sandbox_mod
+from ds_ttt.data.sandbox import Sandbox, _tree
+from ds_ttt.serve.runner import BashToolRunner
+
+from hostile import ATTACKS, HostTargets, command, extra_check
+
+pytestmark = pytest.mark.skipif(not sandbox_mod.network_isolation_available(),
+                                reason=f"bubblewrap sandbox unavailable here: {sandbox_mod.isolation_problem()}")
+LIMITS = {"max_disk_bytes": 64 << 20, "max_scratch_bytes": 16 << 20, "max_file_bytes": 32 << 20}
+TIMEOUT = 8.0
+
+
+@pytest.fixture(scope="module")
+def targets():
+    with HostTargets() as t:
+        yield t
+
+
+class GeneratorPlace:
+    """The generator's `Episode.act` calls `Sandbox.run`: the same call, output unformatted."""
+
+    def __init__(self):
+        self.sb = Sandbox(timeout=TIMEOUT, **LIMITS)
+
+    def run(self, cmd: str) -> str:
+        return self.sb.run(cmd).output
+
+    def close(self):
+        self.sb.close()
+
+
+class RunnerPlace:
+    def __init__(self):
+        self.runner = BashToolRunner(timeout=TIMEOUT, max_output_chars=50_000, **LIMITS)
+        self.sb = self.runner.sandbox
+
+    def run(self, cmd: str) -> str:
+        return self.runner.execute({"function": {"name": "bash", "arguments": json.dumps({"command": cmd})}})
+
+    def close(self):
+        self.runner.close()
+
+
+PLACES = {"generator": GeneratorPlace, "runner": RunnerPlace}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+@pytest.mark.parametrize("place", sorted(PLACES))
+def test_attack_fails(place, attack, targets):
+    p = PLACES[place]()
+    peak, stop = [0], threading.Event()
+
+    def watch():  # the sandbox's process count, seen from the host
+        while not stop.is_set():
+            if p.sb._proc is not None:
+                peak[0] = max(peak[0], len(_tree(p.sb._proc.pid)))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        t0 = time.monotonic()
+        out = p.run(command(attack, targets.fields(os.getpid())))
+        took = time.monotonic() - t0
+        after = p.run("echo alive")
+        left = len(_tree(p.sb._proc.pid))
+    finally:
+        stop.set()
+        watcher.join()
+        p.close()
+    assert targets.failures(out) == [], out[-3000:]
+    assert extra_check(attack, out), out[-3000:]
+    assert after.startswith("alive"), after  # the sandbox still answers
+    if attack == "fork_bomb":
+        assert peak[0] <= sandbox_mod.MAX_PROCESSES + 2, peak[0]  # + bwrap's PID 1 and nothing else
+        assert "Resource temporarily unavailable" in out or "retry" in out, out[-2000:]
+        assert left <= 3, left  # the bomb is gone: PID 1, the shell (and `echo`'s leftovers none)
+    if attack == "output_flood":
+        assert took < 5.0 and "HOSTILE_FLOOD" in out and len(out) <= sandbox_mod.MAX_OUTPUT_BYTES + 200
+    if attack == "disk_fill":
+        assert "No space left on device" in out, out[-2000:]
+        used_kib = re.search(r"^tmpfs\s+\d+\s+(\d+)\s+\d+\s+\d+%\s+/app$", out, re.M)
+        assert used_kib and int(used_kib.group(1)) <= LIMITS["max_disk_bytes"] // 1024, out[-2000:]  # df -k .
+
+
+def test_the_suite_can_fail(targets):
+    """The same checks catch an attack that works: without bubblewrap the secret is readable, the
+    loopback server answers and the sentinel can be written."""
+    with Sandbox(timeout=TIMEOUT, isolation="none") as sb:
+        f = targets.fields(os.getpid())
+        assert targets.token in sb.run(command("read_host_files", f)).output
+        out = sb.run(command("loopback_tcp", f)).output
+        assert targets.token in out and targets.connections >= 1
+        targets.connections = 0
+        sb.run(f"echo x > {f['sentinel']}/sub/keep.txt")
+        assert targets.tree_hash() != targets.hash_before
+        (targets.sentinel / "sub" / "keep.txt").write_text("do not touch\n")
+        assert targets.tree_hash() == targets.hash_before

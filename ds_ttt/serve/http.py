@@ -2,24 +2,32 @@
 
     .venv/bin/python -m ds_ttt.serve.http --model EXPORT [--host 127.0.0.1] [--port 8000] [--device cpu] \
         [--attention-backend {auto,reference,cpu,cuda}] [--max-sessions 64] [--max-new-tokens 1024] \
-        [--served-model-name NAME] [--busy-timeout 60]
+        [--served-model-name NAME] [--busy-timeout 60] [--api-key KEY (or $DS_TTT_API_KEY)] \
+        [--max-model-len N] [--max-tokens-cap N] [--max-body-bytes 8MiB] [--max-active 16] [--max-queue 64] \
+        [--memory-budget BYTES] [--idle-timeout 1800] [--max-n 8] [--no-batching]
 
 Endpoints (FastAPI on uvicorn):
-  GET  /health                    {"status": "ok", "model", "sessions", "policy", "attention_backend"}
-  GET  /v1/models                 the served model (its name: the export directory's, or --served-model-name)
+  GET  /health                    {"status": "ok", "model", "sessions", "policy", "attention_backend", "memory", ...}
+  GET  /v1/models                 the served model (its name: the export directory's, or --served-model-name),
+                                  with its context length ("context_length", "max_model_len")
   GET  /v1/models/{model}
   POST /v1/chat/completions       OpenAI's request and reply (stream: SSE chunks as tokens arrive), plus a top-level
                                   "ttt": {"session_id", "updates", "skipped", "policy", "enabled", ...}
   GET  /v1/sessions/{id}          a conversation's ttt state;  DELETE /v1/sessions/{id} closes it
 
-Every conversation is a TTT session (ds_ttt/serve/conversations.py): tool results that arrived since
-its last reply are observed first, one inner update each round exactly as `AgentSession.observe`;
-`session_id` in the body (the openai client's `extra_body`) names it, else its message prefix finds it;
-`"ttt": false` answers with frozen weights. Request format and errors: ds_ttt/serve/openai_api.py.
-With --port 0 the server binds a free port and prints it. Logs go to stderr. docs/serving.md.
+With --api-key (or $DS_TTT_API_KEY; several keys comma-separated) every /v1 request needs
+`Authorization: Bearer KEY` (else 401, an OpenAI error object), and a conversation belongs to the key
+that made it: another key can neither find, continue, read nor delete it. Replies are decoded in one
+batch across sessions (ds_ttt/serve/scheduler.py; --no-batching: every request decodes alone).
+Bounds: --max-body-bytes (413), --max-tokens-cap (400), --max-active running + --max-queue waiting
+requests (beyond: 429 with Retry-After), --memory-budget for every session's KV cache and fast weights
+(counting those being built), --idle-timeout; a client that disconnects cancels its request, and
+nothing of it is committed. Conversations: ds_ttt/serve/conversations.py; wire format:
+ds_ttt/serve/openai_api.py. With --port 0 the server binds a free port and prints it. Logs go to
+stderr. docs/serving.md.
 
     from openai import OpenAI
-    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY or anything without --api-key")
     r = client.chat.completions.create(model=client.models.list().data[0].id, messages=[...], tools=[...])
     r.ttt["updates"]            # (the openai client keeps unknown fields: r.model_extra["ttt"])
 """
@@ -28,9 +36,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import hmac
 import json
+import os
 import pathlib
 import secrets
+import threading
 import socket
 import sys
 import time
@@ -43,16 +55,50 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ds_ttt.serve.conversations import ConversationStore
 from ds_ttt.serve.openai_api import APIError, ChatStream, completion, finish_reason, parse_chat_request
+from ds_ttt.serve.scheduler import Cancelled
+
+API_KEY_ENV = "DS_TTT_API_KEY"
+DISCONNECT_POLL_SEC = 0.25
 
 
-def create_app(store: ConversationStore, model_name: str):
-    """The ASGI app serving `store` under the model id `model_name`."""
+def key_id(key: str) -> str:
+    """What a conversation records of its owner: a hash of the API key, never the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def log(message: str) -> None:
+    print(f"[ds_ttt.serve.http] {message}", file=sys.stderr, flush=True)
+
+
+def create_app(store: ConversationStore, model_name: str, *, api_keys: list[str] | None = None,
+               max_body_bytes: int = 8 << 20, max_tokens_cap: int | None = None, max_n: int = 8):
+    """The ASGI app serving `store` under the model id `model_name` (options: the module docstring)."""
     app = FastAPI(title="ds_ttt", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
-    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "ds_ttt"}
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "ds_ttt",
+                  "context_length": store.max_context, "max_model_len": store.max_context}
+    keys = [k for k in (api_keys or []) if k]
 
     def error(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if getattr(e, "retry_after", None) else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    def owner_of(request: Request) -> str | None:
+        """The caller's key id (None without --api-key); 401 for a missing or wrong key. Every /v1
+        handler calls it first (a plain call, not an HTTP middleware: Starlette's BaseHTTPMiddleware
+        hides the client's disconnect from the handler, which cancellation needs)."""
+        if not keys:
+            return None
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "You didn't provide an API key (Authorization: Bearer KEY)", type="invalid_request_error",
+                           code="invalid_api_key")
+        token = token.strip()
+        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+            raise APIError(401, "Incorrect API key provided", type="invalid_request_error", code="invalid_api_key")
+        return key_id(token)
+
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -71,69 +117,131 @@ def create_app(store: ConversationStore, model_name: str):
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_name, "sessions": len(store), "max_sessions": store.max_sessions,
-                "policy": store.agent.model.ttt.context_policy, "attention_backend": store.agent.attention_backend}
+                "policy": store.agent.model.ttt.context_policy, "attention_backend": store.agent.attention_backend,
+                "max_model_len": store.max_context, "batched": store.engine.batched, "memory": store.memory()}
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        owner_of(request)
         return {"object": "list", "data": [model_card]}
 
     @app.get("/v1/models/{model:path}")
-    async def model(model: str):
+    async def model(model: str, request: Request):
+        owner_of(request)
         if model != model_name:
             raise APIError(404, f"The model {model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
         return model_card
 
     @app.get("/v1/sessions/{session_id}")
-    async def session(session_id: str):
-        return store.ttt_info(store.get(session_id))
+    async def session(session_id: str, request: Request):
+        return store.ttt_info(store.get(session_id, owner_of(request)))
 
     @app.delete("/v1/sessions/{session_id}")
-    async def close(session_id: str):
-        await anyio.to_thread.run_sync(store.close, session_id)
+    async def close(session_id: str, request: Request):
+        await anyio.to_thread.run_sync(store.close, session_id, owner_of(request))
         return {"id": session_id, "object": "session", "deleted": True}
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        too_big = APIError(413, f"the request body exceeds {max_body_bytes} bytes (--max-body-bytes)",
+                           code="request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_big
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > max_body_bytes:
+                raise too_big
+            parts.append(part)
+        return b"".join(parts)
+
+    async def run_cancellable(request: Request, req, owner):
+        """store.chat in a worker thread; a client that goes away cancels it (nothing is committed)."""
+        cancel = threading.Event()
+        task = asyncio.ensure_future(anyio.to_thread.run_sync(
+            lambda: store.chat(req, owner=owner, cancel=cancel)))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SEC)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    cancel.set()
+                    log("client disconnected: request cancelled")
+                    try:
+                        await task
+                    except Cancelled:
+                        pass
+                    raise APIError(499, "the client disconnected; the request was cancelled", code="cancelled")
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        raw = await request.body()
+        owner = owner_of(request)  # before the body is read
+        # request threads wait on the scheduler (or run the model): one per admitted or queued request
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, store.max_active + store.max_queue + 8)
+        raw = await read_body(request)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
-        req = parse_chat_request(body, served_model=model_name)
+        req = parse_chat_request(body, served_model=model_name, max_tokens_cap=max_tokens_cap, max_n=max_n)
+        if req.ignored:
+            log(f"ignored unknown request field(s): {', '.join(req.ignored)}")
         reply_id, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         if not req.stream:
-            result = await anyio.to_thread.run_sync(store.chat, req)  # the model runs off the event loop
+            result = await run_cancellable(request, req, owner)  # the model runs off the event loop
             return reply_of(result, reply_id, created)
-        return await stream(req, reply_id, created)
+        return await stream(req, reply_id, created, owner)
 
     def reply_of(result, reply_id: str, created: int) -> dict:
-        return completion(reply_id, model_name, result.message, finish_reason(result.message, result.truncated),
-                          {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                           "total_tokens": result.prompt_tokens + result.completion_tokens}, result.ttt, created)
+        choices = [{"message": c["message"], "finish_reason": finish_reason(c["message"], c["truncated"]),
+                    "logprobs": c["logprobs"], "ttt": c["ttt"]} for c in result.choices]
+        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                 "total_tokens": result.prompt_tokens + result.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+        return completion(reply_id, model_name, choices, usage, result.ttt, created)
 
-    async def stream(req, reply_id: str, created: int):
+    async def stream(req, reply_id: str, created: int, owner):
         """SSE while generating: the request runs in a worker thread whose on_token callback feeds a
         queue; an error before the first token is a plain error reply (status and error object)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
 
         def put(event):
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         def work():
             try:
-                put(("done", store.chat(req, on_token=lambda tok: put(("token", tok)))))
+                put(("done", store.chat(req, on_token=lambda tok: put(("token", tok)), owner=owner, cancel=cancel)))
+            except Cancelled:
+                log("client disconnected mid-stream: request cancelled, nothing committed")
             except Exception as e:  # noqa: BLE001 - delivered to the stream
                 put(("error", e))
-        loop.run_in_executor(None, work)
-        first = await events.get()
+        asyncio.ensure_future(anyio.to_thread.run_sync(work))
+        try:
+            first = await events.get()
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
         if first[0] == "error":
             raise first[1]
         out = ChatStream(reply_id, model_name, created)
         tokenizer = store.agent.tokenizer
 
         async def body():
+            try:
+                async for chunk in events_of():
+                    yield chunk
+            finally:  # the client went away (the generator is closed) or the reply ended
+                cancel.set()
+
+        async def events_of():
             yield "".join(out.start())
             ids, event = [], first
             while True:
@@ -190,19 +298,42 @@ def main(argv=None) -> int:
     p.add_argument("--served-model-name", default=None, help="model id (default: the export directory's name)")
     p.add_argument("--busy-timeout", type=float, default=60.0,
                    help="seconds a request waits for its busy session before a 409")
+    p.add_argument("--api-key", default=None, help=f"required Bearer key(s), comma-separated (default: ${API_KEY_ENV}; "
+                   "unset: no authentication, every conversation has the same owner)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length served (default: the model's)")
+    p.add_argument("--max-tokens-cap", type=int, default=None, help="largest max_tokens a request may ask (else 400)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body (else 413)")
+    p.add_argument("--max-active", type=int, default=16, help="requests served at once (the decode batch)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --max-active (else 429)")
+    p.add_argument("--memory-budget", type=int, default=None,
+                   help="bytes for every session's KV cache + fast weights, sessions being built included "
+                        "(default: unbounded; idle sessions are evicted to make room, else 429)")
+    p.add_argument("--idle-timeout", type=float, default=1800.0, help="seconds before an idle conversation is dropped")
+    p.add_argument("--max-n", type=int, default=8, help="largest n (choices) of one request")
+    p.add_argument("--no-batching", action="store_true", help="decode every request alone (the unbatched path)")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
+    from ds_ttt.serve.scheduler import BatchScheduler, DirectEngine
     from ds_ttt.serve.session import AgentModel
 
     agent = AgentModel.load(args.model, device=args.device, attention_backend=args.attention_backend)
     name = args.served_model_name or pathlib.Path(args.model).resolve().name
+    engine = DirectEngine() if args.no_batching else BatchScheduler(agent, max_batch=args.max_active)
     store = ConversationStore(agent, max_sessions=args.max_sessions, max_new_tokens=args.max_new_tokens,
-                              busy_timeout=args.busy_timeout)
+                              busy_timeout=args.busy_timeout, max_context=args.max_model_len,
+                              memory_budget=args.memory_budget, idle_timeout=args.idle_timeout,
+                              max_active=args.max_active, max_queue=args.max_queue, engine=engine)
+    store.start_reaper()
+    raw_keys = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, "")
+    keys = [k.strip() for k in raw_keys.split(",") if k.strip()]
     sock = bind(args.host, args.port)
-    server = make_server(create_app(store, name), sock, log_level=args.log_level)
+    server = make_server(create_app(store, name, api_keys=keys, max_body_bytes=args.max_body_bytes,
+                                    max_tokens_cap=args.max_tokens_cap, max_n=args.max_n), sock,
+                         log_level=args.log_level)
     host, port = sock.getsockname()[:2]
-    print(f"[ds_ttt.serve.http] serving {name!r} ({args.model}) on http://{host}:{port}/v1 — device {args.device}, "
-          f"attention {agent.attention_backend}, policy {agent.model.ttt.context_policy}", file=sys.stderr, flush=True)
+    log(f"serving {name!r} ({args.model}) on http://{host}:{port}/v1 — device {args.device}, attention "
+        f"{agent.attention_backend}, policy {agent.model.ttt.context_policy}, max model len {store.max_context}, "
+        f"{'batched' if engine.batched else 'unbatched'} decode, auth {'on' if keys else 'off'}")
     server.run(sockets=[sock])
     return 0
 

@@ -14,13 +14,18 @@ them, ds_ttt/serve/conversations.py runs the sessions). What is accepted:
                 turn is followed by its tool results and/or user turns (observations); the last
                 message is user or tool (the server writes the next assistant turn).
   tools         [{"type": "function", "function": {"name", "description"?, "parameters"?}}]
-  sampling      temperature (0 = greedy; omitted: greedy, the export's generation_config), top_p,
-                max_tokens / max_completion_tokens, seed, stream (+ stream_options.include_usage)
+  sampling      temperature (0 = greedy; omitted: greedy, the export's generation_config), top_p (0 keeps
+                the most likely token), max_tokens / max_completion_tokens (capped by the server's
+                --max-tokens-cap: above it a 400), seed, stop (string, list of up to 4, or null),
+                n (choices; each one a fork of the conversation), logprobs + top_logprobs (0..20)
+  tools         tool_choice "auto" | "none" (no tool call is generated) | "required" (a tool call follows
+                the think block) | {"type": "function", "function": {"name"}} (a call of that tool);
+                parallel_tool_calls false: the reply ends after its first tool call
+  stream        stream (+ stream_options.include_usage)
   ds_ttt        session_id (the `openai` client's extra_body), "ttt": false (frozen weights)
-  accepted, no effect  user, metadata, store, parallel_tool_calls, tool_choice "auto", n = 1,
-                logprobs false, frequency/presence penalty 0, response_format {"type": "text"}
-Anything else is a 400 naming the field, as OpenAI answers unknown arguments.
-
+  accepted, no effect  user, metadata, store, frequency/presence penalty 0, response_format {"type": "text"},
+                logit_bias {}; an unknown field is ignored and logged (ChatRequest.ignored)
+A known field with a value the server cannot honour is a 400 naming the field (`param`).
 Errors are OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the HTTP status.
 """
 
@@ -33,10 +38,16 @@ from dataclasses import dataclass, field
 from ds_ttt.data.render import contains_control_tokens
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_NO_EFFECT = {"user", "metadata", "store", "parallel_tool_calls"}
-_MUST_BE = {"n": 1, "logprobs": False, "frequency_penalty": 0, "presence_penalty": 0, "tool_choice": "auto"}
+_NO_EFFECT = {"user", "metadata", "store", "service_tier"}
+_MUST_BE = {"frequency_penalty": 0, "presence_penalty": 0}
 _KNOWN = {"model", "messages", "tools", "temperature", "top_p", "max_tokens", "max_completion_tokens", "seed",
-          "stream", "stream_options", "session_id", "ttt", "response_format", "top_logprobs"} | _NO_EFFECT | set(_MUST_BE)
+          "stream", "stream_options", "session_id", "ttt", "response_format", "top_logprobs", "logprobs", "n",
+          "stop", "tool_choice", "parallel_tool_calls", "logit_bias"} | _NO_EFFECT | set(_MUST_BE)
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_TOP_LOGPROBS = 20
+# Tool-call markup is the model's own output: a reply cut inside a tool call carries it in its content,
+# and the client sends that reply back verbatim. Every other chat-control token stays refused.
+_ASSISTANT_MARKUP = ("<tool_call>", "</tool_call>")
 
 
 class APIError(Exception):
@@ -68,7 +79,20 @@ class ChatRequest:
     include_usage: bool
     session_id: str | None
     ttt: bool
-    extra: dict = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    tool_choice: str = "auto"  # auto | none | required | function (then tool_name)
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    ignored: list[str] = field(default_factory=list)  # unknown fields (logged by the server)
+
+
+def _without_markup(text: str) -> str:
+    for tag in _ASSISTANT_MARKUP:
+        text = text.replace(tag, "")
+    return text
 
 
 def _text(content, param: str, *, allow_null: bool) -> str:
@@ -137,7 +161,7 @@ def parse_messages(messages) -> list[dict]:
             raise bad(f"{p}.role {role!r} is not one of {', '.join(ROLES)}", f"{p}.role")
         role = "system" if role == "developer" else role
         content = _text(m.get("content"), f"{p}.content", allow_null=role == "assistant")
-        bad_token = contains_control_tokens(content)
+        bad_token = contains_control_tokens(_without_markup(content) if role == "assistant" else content)
         if bad_token:
             raise bad(f"{p}.content contains the chat-control token {bad_token}", f"{p}.content")
         msg: dict = {"role": role, "content": content}
@@ -181,18 +205,54 @@ def parse_tools(tools) -> list | None:
     return tools or None
 
 
-def parse_chat_request(body, *, served_model: str) -> ChatRequest:
+def _stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(x, str) and x for x in stops):
+        raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings, got {value!r}",
+                  "stop")
+    return tuple(stops)
+
+
+def _tool_choice(value, tools) -> tuple[str, str | None]:
+    if value is None or value == "auto":
+        return "auto", None
+    if value in ("none", "required"):
+        if value == "required" and not tools:
+            raise bad('tool_choice "required" needs tools', "tool_choice")
+        return value, None
+    fn = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}, '
+                  f"got {value!r}", "tool_choice")
+    names = [t["function"]["name"] for t in tools or []]
+    if fn["name"] not in names:
+        raise bad(f"tool_choice names the function {fn['name']!r}, which is not in tools ({names})", "tool_choice")
+    return "function", fn["name"]
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    val = body.get(key)
+    if val is None:
+        return default
+    if not isinstance(val, bool):
+        raise bad(f"{key} must be a boolean, got {val!r}", key)
+    return val
+
+
+def parse_chat_request(body, *, served_model: str, max_tokens_cap: int | None = None, max_n: int = 8) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - _KNOWN)
-    if unknown:
-        raise bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    ignored = sorted(set(body) - _KNOWN)
     for key, want in _MUST_BE.items():
         if body.get(key) is not None and body[key] != want:
             raise bad(f"{key}={body[key]!r} is not supported (only {want!r})", key)
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         raise bad("response_format: only {\"type\": \"text\"} is supported", "response_format")
+    if body.get("logit_bias"):
+        raise bad("logit_bias is not supported (only {} or null)", "logit_bias")
     model = body.get("model")
     if not isinstance(model, str):
         raise bad("model is required (GET /v1/models lists it)", "model")
@@ -201,23 +261,34 @@ def parse_chat_request(body, *, served_model: str) -> ChatRequest:
                        param="model", code="model_not_found")
     max_tokens = _number(body, "max_completion_tokens", None, 1, 1 << 30, integer=True)
     max_tokens = _number(body, "max_tokens", max_tokens, 1, 1 << 30, integer=True)
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise bad("stream must be a boolean", "stream")
+    if max_tokens is not None and max_tokens_cap is not None and max_tokens > max_tokens_cap:
+        key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+        raise bad(f"{key}={max_tokens} exceeds this server's cap of {max_tokens_cap} (--max-tokens-cap)", key)
+    stream = _bool(body, "stream", False)
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
     sid = body.get("session_id")
     if sid is not None and not isinstance(sid, str):
         raise bad("session_id must be a string", "session_id")
-    ttt = body.get("ttt", True)
-    if not isinstance(ttt, bool):
-        raise bad("ttt must be true or false", "ttt")
+    ttt = _bool(body, "ttt", True)
+    tools = parse_tools(body.get("tools"))
+    choice, name = _tool_choice(body.get("tool_choice"), tools)
+    logprobs = _bool(body, "logprobs", False)
+    top = _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
+    if top and not logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    n = _number(body, "n", 1, 1, max_n, integer=True)
+    if n > 1 and stream:
+        raise bad("n > 1 is not supported with stream: true (send n requests, or stream: false)", "n")
     return ChatRequest(
-        model=model, messages=parse_messages(body.get("messages")), tools=parse_tools(body.get("tools")),
+        model=model, messages=parse_messages(body.get("messages")), tools=tools,
         temperature=float(_number(body, "temperature", 0.0, 0.0, 2.0)), top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
         max_tokens=max_tokens, seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True),
-        stream=stream, include_usage=bool(opts.get("include_usage")), session_id=sid, ttt=ttt)
+        stream=stream, include_usage=bool(opts.get("include_usage")), session_id=sid, ttt=ttt,
+        stop=_stop(body.get("stop")), tool_choice=choice, tool_name=name,
+        parallel_tool_calls=_bool(body, "parallel_tool_calls", True), logprobs=logprobs, top_logprobs=top,
+        n=n, ignored=ignored)
 
 
 # ---- replies ------------------------------------------------------------------------------------
@@ -239,11 +310,14 @@ def finish_reason(message: dict, truncated: bool) -> str:
     return "tool_calls" if message.get("tool_calls") else "stop"
 
 
-def completion(reply_id: str, model: str, message: dict, finish: str, usage: dict, ttt: dict,
+def completion(reply_id: str, model: str, choices: list[dict], usage: dict, ttt: dict,
                created: int | None = None) -> dict:
+    """choices: [{"message", "finish_reason", "logprobs" (None or {"content": [...]}), "ttt"}] in order."""
     return {"id": reply_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": reply_message(message), "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": i, "message": reply_message(c["message"]), "finish_reason": c["finish_reason"],
+                         "logprobs": c.get("logprobs")} | ({"ttt": c["ttt"]} if len(choices) > 1 else {})
+                        for i, c in enumerate(choices)],
             "usage": usage, "ttt": ttt}
 
 
@@ -292,8 +366,9 @@ class ChatStream:
                      "model": model, "system_fingerprint": None}
         self.sent = {"reasoning_content": "", "content": ""}
 
-    def _chunk(self, delta: dict, finish=None, **extra) -> str:
-        body = dict(self.base, choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra)
+    def _chunk(self, delta: dict, finish=None, logprobs=None, **extra) -> str:
+        body = dict(self.base, choices=[{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+                    **extra)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def start(self) -> list[str]:
@@ -320,7 +395,8 @@ class ChatStream:
             out.append(self._chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
                                                     "function": {"name": call["function"]["name"],
                                                                  "arguments": call["function"]["arguments"]}}]}))
-        out.append(self._chunk({}, choice["finish_reason"], ttt=reply["ttt"]))
+        # logprobs (when asked for) come whole with the finish chunk
+        out.append(self._chunk({}, choice["finish_reason"], choice.get("logprobs"), ttt=reply["ttt"]))
         if include_usage:
             out.append(f"data: {json.dumps(dict(self.base, choices=[], usage=reply['usage']))}\n\n")
         return out + ["data: [DONE]\n\n"]

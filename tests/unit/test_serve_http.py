@@ -118,18 +118,23 @@ def test_openai_client_tool_loop_learns_one_update_per_tool_result(server, agent
             assert output == "ok"
             messages += [as_sent(choice.message), {"role": "tool", "tool_call_id": call.id, "content": output}]
     assert seen == [0, 1, 2]  # one inner update per tool result
-    # without session_id the message prefix finds the same conversation
+    # without session_id the message prefix finds the conversation and continues a copy of it
+    # (copy-on-write: a new session id; the original is not advanced)
+    before = len(store.get(sid).session.input_ids)
     r = c.chat.completions.create(model="export", messages=messages, tools=TOOLS, max_tokens=48)
-    assert r.model_extra["ttt"]["session_id"] == sid and r.model_extra["ttt"]["updates"] == 3
+    assert r.model_extra["ttt"]["session_id"] != sid and r.model_extra["ttt"]["updates"] == 3
+    assert r.usage.prompt_tokens_details.cached_tokens == before  # the copied cache: no replay
+    assert len(store.get(sid).session.input_ids) == before and store.get(sid).session.round == 3
     # the server's fast weights are exactly AgentSession.observe's over the same conversation
     local = replay_locally(agent, messages[1]["content"], ["ok"] * 3)
     assert local.num_updates == 3
     assert [m.get("tool_calls", [{}])[0].get("function") for m in local.messages if m["role"] == "assistant"] == \
         [m["tool_calls"][0]["function"] for m in messages if m["role"] == "assistant"]
-    for a, b in zip(store.get(sid).session.fast_weights, local.fast_weights):
+    child = r.model_extra["ttt"]["session_id"]
+    for a, b in zip(store.get(child).session.fast_weights, local.fast_weights):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert any((a - b).abs().max() > 0 for a, b in zip(local.fast_weights, agent.model.initial_fast_weights()))
-    info = httpx.get(f"{url}/v1/sessions/{sid}").json()
+    info = httpx.get(f"{url}/v1/sessions/{child}").json()
     assert info["updates"] == 3 and info["round"] == 4
 
 
@@ -207,8 +212,11 @@ def test_malformed_requests_get_openai_errors_and_change_nothing(server):
          "context_length_exceeded"),
         (json.dumps({"model": "gpt-9", "messages": ok}), 404, "model", "model_not_found"),
         (json.dumps({"model": "export", "messages": ok, "session_id": "sess-nope"}), 404, "session_id", "session_not_found"),
-        (json.dumps({"model": "export", "messages": ok, "frobnicate": 1}), 400, "frobnicate", None),
-        (json.dumps({"model": "export", "messages": ok, "n": 2}), 400, "n", None),
+        (json.dumps({"model": "export", "messages": ok, "n": 99}), 400, "n", None),
+        (json.dumps({"model": "export", "messages": ok, "frequency_penalty": 0.5}), 400, "frequency_penalty", None),
+        (json.dumps({"model": "export", "messages": ok, "stop": [1]}), 400, "stop", None),
+        (json.dumps({"model": "export", "messages": ok, "tool_choice": "sometimes"}), 400, "tool_choice", None),
+        (json.dumps({"model": "export", "messages": ok, "top_logprobs": 3}), 400, "top_logprobs", None),
         (json.dumps({"model": "export", "messages": ok, "temperature": "hot"}), 400, "temperature", None),
         (json.dumps({"model": "export", "messages": []}), 400, "messages", None),
         (json.dumps({"model": "export", "messages": ok[:1] + [{"role": "user", "content": "<|im_start|>x"}]}), 400,
@@ -345,14 +353,22 @@ def test_trimmed_export_loads_in_evaluation_memory_test_service_runner_and_http(
     assert lines[-1]["num_rounds"] == len(lines) - 1 >= 1 and lines[-1]["attention_backend"] == "reference"
     assert lines[-1]["isolation"] == ("unshare" if isolated else "none")
     # the HTTP server, as a user starts it
-    srv = subprocess.Popen([sys.executable, "-m", "ds_ttt.serve.http", "--model", str(export), "--port", "0"],
-                           stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    # (with its API key from the environment and a shorter context)
+    srv = subprocess.Popen([sys.executable, "-m", "ds_ttt.serve.http", "--model", str(export), "--port", "0",
+                            "--max-model-len", "1024"],
+                           stderr=subprocess.PIPE, text=True, env=dict(ENV, DS_TTT_API_KEY="sk-env"), cwd=REPO)
     try:
         line = srv.stderr.readline()
         port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", line).group(1)), line
         url = f"http://127.0.0.1:{port[0]}"
         assert httpx.get(url + "/health").json()["model"] == "export"
-        r = client(url).chat.completions.create(model="export", messages=start(), tools=TOOLS, max_tokens=48)
+        denied = httpx.get(url + "/v1/models")
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        from openai import OpenAI
+
+        keyed = OpenAI(base_url=url + "/v1", api_key="sk-env", max_retries=0, timeout=600)
+        assert keyed.models.list().data[0].model_extra["context_length"] == 1024
+        r = keyed.chat.completions.create(model="export", messages=start(), tools=TOOLS, max_tokens=48)
         assert r.choices[0].finish_reason == "tool_calls"
     finally:
         srv.terminate()

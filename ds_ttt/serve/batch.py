@@ -1,0 +1,95 @@
+"""The batched decode forward: the next-token logits of B sessions' replies in one pass over the model.
+
+    logits_BV = batched_decode_logits(agent, decodes)    # decodes: session.Decode, one token each to feed
+
+Each row b is one session's reply (ds_ttt/serve/session.py `Decode`): the token it chose last, its
+position, its cache slot, its own KV cache, its own fast weights W_b and key-shift history. One
+forward serves them all, on the model's own modules (no copy of the model):
+  * embedding, q/k/v/o projections, the frozen MLPs, the norms and lm_head run once over [B, 1, C]
+    (the backbone is shared, so its products are batched);
+  * the prime MLP of an adaptive layer gets W stacked per row, [B, F, D] (PrimeMLP's per-row fast
+    weights, ds_ttt/model/fast_weights.py): for a bf16 model x W_0ᵀ is one batched product and the
+    fp32 delta x (W_b − W_0)ᵀ is applied per row (the Punica / S-LoRA layout); for an fp32 model the
+    product is per row (a batched matmul over the stack);
+  * attention is per row: row b writes its key/value at its slot in its own cache and attends to its
+    own visible slice (lengths differ; each slice is read in place, nothing is padded or copied);
+  * the key shift (ttt.key_shift) reads each row's history from its cache and writes it back, as the
+    unbatched `_forward` does, so it carries across decode steps exactly.
+Nothing here touches the inner update: observations (with their gradient step) stay per session,
+run by the scheduler between decode steps. The stacked weights are kept while the batch keeps the
+same rows (W does not change during a reply), so a steady batch stacks them once.
+
+Shape letters: B rows (sessions), H heads, S key-shift width, C hidden, F prime width, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ds_ttt.model.event_loop import uses_key_shift
+from ds_ttt.model.fast_weights import KeyHistory
+
+
+class WeightStacks:
+    """The per-row fast weights of the last batch, stacked ([B, F, D] per matrix of each adaptive
+    layer); restacked only when the batch's rows change (one per scheduler: not thread-safe)."""
+
+    def __init__(self):
+        self.refs: list = []  # each row's weight tuple (kept alive, compared by identity)
+        self.weights: list = []
+
+    def of(self, decodes: list) -> list:
+        if len(self.refs) != len(decodes) or any(a is not d.w for a, d in zip(self.refs, decodes)):
+            self.weights = [torch.stack([d.w[j] for d in decodes]) for j in range(len(decodes[0].w))]
+            self.refs = [d.w for d in decodes]
+        return self.weights
+
+
+def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = None) -> list[torch.Tensor]:
+    """The logits [V] of each row's next token (call under torch.inference_mode, caches grown)."""
+    m, dev = agent.model, agent.device
+    b = len(decodes)
+    ids = torch.tensor([[d.action[-1]] for d in decodes], device=dev)
+    positions = torch.tensor([[d.pos - 1] for d in decodes], device=dev)
+    slots = [d.slot - 1 for d in decodes]
+    caches = [d.s.cache for d in decodes]
+    los = [d.session._visible_from(slot) for d, slot in zip(decodes, slots)]
+    h = m.model.embed_tokens(ids)  # [B, 1, C]
+    pos_emb = m.model.rotary_emb(h, positions)
+    has_weights = all(len(d.w) for d in decodes)
+    stacked = iter((stacks or WeightStacks()).of(decodes) if has_weights else ())
+    shift_layers = [layer for layer in m.model.layers if uses_key_shift(layer)]
+    prev_rows = []  # per row: its key-shift history per shift layer (None: a new segment, zeros)
+    if shift_layers:
+        policy = m.policy
+        for d, cache, slot in zip(decodes, caches, slots):
+            new_round = slot == 0 or (policy.kind == "current_round" and slot == d.s.prompt_slots)
+            prev_rows.append(None if new_round else cache.key_history_at(slot))
+    k_shift = 0
+    last_rows: list[list] = [[] for _ in range(b)]
+    for i, layer in enumerate(m.model.layers):
+        def attend(q, k, v, i=i):
+            outs = []
+            for r in range(b):
+                caches[r].write(i, slots[r], k[r:r + 1], v[r:r + 1])
+                k_all, v_all = caches[r].view(i, los[r], slots[r] + 1)
+                outs.append(F.scaled_dot_product_attention(q[r:r + 1], k_all, v_all, enable_gqa=True))
+            return torch.cat(outs, 0)
+        w = (next(stacked), next(stacked), next(stacked)) if layer.is_adaptive and has_weights else None
+        history = None
+        if uses_key_shift(layer):
+            width, c = layer.prime_mlp.key_shift.shape
+            prev = torch.cat([p[k_shift] if p is not None else h.new_zeros(1, width, c) for p in prev_rows], 0)
+            history = KeyHistory(prev_BSC=prev)
+        h, _ = layer(h, pos_emb, attend, w, history)
+        if history is not None:
+            for r in range(b):
+                last_rows[r].append(history.last_BSC[r:r + 1])
+            k_shift += 1
+    if shift_layers:
+        for r, cache in enumerate(caches):
+            cache.key_tail = (slots[r] + 1, last_rows[r])
+    logits = m.lm_head(m.model.norm(h[:, -1]))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return list(logits)

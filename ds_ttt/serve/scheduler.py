@@ -1,0 +1,191 @@
+"""Where the server's model work runs: one scheduler thread that decodes every active session in one batch.
+
+    engine = BatchScheduler(agent, max_batch=16)       # or DirectEngine(): each request on its own thread
+    engine.run(lambda: session.observe_messages(msgs), cancel)     # a prefill / observe / forced chunk
+    engine.generate([session.begin_decode(...)], cancel)           # decode until every reply ends
+
+ConversationStore (conversations.py) hands the engine two kinds of work for a request:
+  * chunks: a session's prefill (reset), an observation with its inner step, a forced assistant
+    turn. Each is one call on the session, exact and per session, as AgentSession runs it;
+  * decodes (`session.Decode`): a reply generated one token at a time.
+The BatchScheduler's loop, on one thread that owns the model:
+    1. runs one waiting chunk (so a long prefill delays the decoders by one chunk, not by a whole
+       request: chunks and decode steps interleave),
+    2. starts the replies that arrived (their generation prompt, one chunk each),
+    3. takes ONE forward for the next token of every active reply: `batched_decode_logits`
+       (ds_ttt/serve/batch.py): the backbone batched over the B sessions, each session's own fast
+       weights applied to its own row, attention per row against its own KV cache;
+then each reply chooses its token from its row (its own RNG, options, stop strings: `Decode.step`).
+A reply whose `cancel` event is set (the client went away) is dropped between steps and its request
+gets `Cancelled`; nothing it did is committed (the request works on a fork).
+DirectEngine is today's path (every request's thread runs the model itself, one token per forward);
+`--no-batching` selects it, and the tests compare the two token for token.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import sys
+import threading
+import traceback
+
+import torch
+
+
+class Cancelled(Exception):
+    """The request was cancelled (its client disconnected); nothing was committed."""
+
+
+def _check(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("the client disconnected")
+
+
+class DirectEngine:
+    """The calling thread runs the model: one forward per token of one reply (the unbatched path)."""
+
+    batched = False
+
+    def run(self, fn, cancel: threading.Event | None = None):
+        _check(cancel)
+        return fn()
+
+    def generate(self, decodes: list, cancel: threading.Event | None = None) -> None:
+        with torch.inference_mode():
+            for d in decodes:
+                logits_V = d.first_logits()
+                while d.step(logits_V):
+                    _check(cancel)
+                    logits_V = d.forward_next()
+                d.close()
+
+    def stop(self) -> None:
+        pass
+
+
+class _Group:
+    def __init__(self, decodes: list, cancel: threading.Event | None):
+        self.decodes, self.cancel = decodes, cancel
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.left = len(decodes)
+
+
+class BatchScheduler:
+    """One thread steps every active reply's next token in one batched forward (module docstring)."""
+
+    batched = True
+
+    def __init__(self, agent, *, max_batch: int = 16):
+        from ds_ttt.serve.batch import WeightStacks, batched_decode_logits
+
+        self.agent, self.max_batch = agent, max_batch
+        self._forward = batched_decode_logits
+        self._stacks = WeightStacks()
+        self._cv = threading.Condition()
+        self._chunks: collections.deque = collections.deque()  # (fn, future, cancel)
+        self._new: collections.deque = collections.deque()  # (_Group, decode)
+        self._active: list = []  # (_Group, decode, logits_V)
+        self._closed = False
+        self.steps = 0  # batched forwards taken
+        self.rows = 0  # rows over all of them (rows / steps = mean batch)
+        self._thread = threading.Thread(target=self._loop, name="ds_ttt-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- called from request threads -------------------------------------------------------------
+    def run(self, fn, cancel: threading.Event | None = None):
+        _check(cancel)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._chunks.append((fn, fut, cancel))
+            self._cv.notify()
+        return fut.result()
+
+    def generate(self, decodes: list, cancel: threading.Event | None = None) -> None:
+        _check(cancel)
+        group = _Group(decodes, cancel)
+        with self._cv:
+            self._new.extend((group, d) for d in decodes)
+            self._cv.notify()
+        group.future.result()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    # ---- the scheduler thread ----------------------------------------------------------------------
+    def _fail(self, group: _Group, e: BaseException) -> None:
+        if not group.future.done():
+            group.future.set_exception(e)
+        self._active = [a for a in self._active if a[0] is not group]
+
+    def _finish_row(self, group: _Group, d) -> None:
+        d.close()
+        group.left -= 1
+        if group.left == 0 and not group.future.done():
+            group.future.set_result(None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._chunks or self._new or self._active or self._closed):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                chunk = self._chunks.popleft() if self._chunks else None
+                room = self.max_batch - len(self._active)
+                starting = [self._new.popleft() for _ in range(min(room, len(self._new)))]
+            try:
+                self._iteration(chunk, starting)
+            except BaseException:  # noqa: BLE001 - a bug here must not leave requests waiting forever
+                traceback.print_exc(file=sys.stderr)
+                e = RuntimeError("scheduler failure (see the server log)")
+                for group in {id(a[0]): a[0] for a in self._active}.values():
+                    self._fail(group, e)
+
+    def _iteration(self, chunk, starting) -> None:
+        if chunk is not None:
+            fn, fut, cancel = chunk
+            try:
+                _check(cancel)
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - delivered to the request
+                fut.set_exception(e)
+        with torch.inference_mode():
+            for group, d in starting:
+                if group.future.done():
+                    continue
+                try:
+                    _check(group.cancel)
+                    self._active.append((group, d, d.first_logits()))
+                except BaseException as e:  # noqa: BLE001
+                    self._fail(group, e)
+            if not self._active:
+                return
+            # choose every row's next token from its logits; the rows that continue take one forward
+            stepping = []
+            for group, d, logits_V in self._active:
+                if group.future.done():
+                    continue
+                try:
+                    _check(group.cancel)
+                    if d.step(logits_V):
+                        stepping.append((group, d))
+                    else:
+                        self._finish_row(group, d)
+                except BaseException as e:  # noqa: BLE001
+                    self._fail(group, e)
+            stepping = [(g, d) for g, d in stepping if not g.future.done()]
+            self._active = []
+            if not stepping:
+                return
+            try:
+                logits = self._forward(self.agent, [d for _, d in stepping], self._stacks)
+            except BaseException as e:  # noqa: BLE001 - every row of this step fails alike
+                for g, _ in stepping:
+                    self._fail(g, e)
+                return
+            self.steps += 1
+            self.rows += len(stepping)
+            self._active = [(g, d, logits[b]) for b, (g, d) in enumerate(stepping)]

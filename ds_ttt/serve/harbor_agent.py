@@ -21,18 +21,33 @@ The loop is the training loop's (the data generator's and `ds_ttt.serve.runner`'
     did not parse (the server's `invalid_tool_calls`) also ends it (stop "invalid_tool_calls"): the
     OpenAI format has no tool result for a call without an id, whereas the training runner reports
     such calls back as `[error: invalid tool call: …]` observations.
+Serving a fleet (`harbor run -n 8` on one server):
+  * a 409 (session busy), 429 (queue or memory full; its Retry-After is honoured), 5xx or a refused
+    connection (a restarting server) is retried with exponential backoff (`max_retries`,
+    `retry_backoff_sec` doubling up to `retry_backoff_max_sec`, with jitter);
+  * a 404 for the session (evicted, expired, or the server restarted) is survived by replaying: the
+    whole history goes back without `session_id`, and the server rebuilds the session from it — a
+    prefill of the conversation plus one inner step per tool-result round so far (about the cost of
+    one training event per round; a stored copy of a prefix is reused when the server still has one).
+    The new session id is adopted and the replay counted (`replays` in the metadata);
+  * the session is deleted on the server when the episode ends (also on an error);
+  * without `seed` every attempt draws a fresh seed (recorded in the metadata), so pass@k attempts
+    sample independently; with one, every attempt uses it.
 The trajectory is written as ATIF (`logs_dir/trajectory.json`, Harbor's own pydantic model, rewritten
 after every round) with the server's `ttt` object ({"session_id", "updates", "skipped", "policy"})
 and usage on each agent step; it imports with `data_prep/prepare.py`.
 
-Options (`--ak key=value`; `server_url` also from $DS_TTT_SERVER_URL): server_url, max_rounds,
-command_timeout_sec, temperature, top_p, max_tokens, seed, ttt (false: frozen weights),
-max_output_chars, request_timeout_sec. The model is `-m NAME`, or the server's only model.
+Options (`--ak key=value`; `server_url` also from $DS_TTT_SERVER_URL, `api_key` from $DS_TTT_API_KEY):
+server_url, api_key, max_rounds, command_timeout_sec, temperature, top_p, max_tokens, seed, ttt (false:
+frozen weights), max_output_chars, request_timeout_sec, max_retries, retry_backoff_sec,
+retry_backoff_max_sec. The model is `-m NAME`, or the server's only model.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import uuid
 from datetime import datetime, timezone
 from typing import Annotated, Any
@@ -53,6 +68,8 @@ from ds_ttt.data.sandbox import CommandResult, format_observation
 
 AGENT_NAME = "ds-ttt"
 SERVER_URL_ENV = "DS_TTT_SERVER_URL"
+API_KEY_ENV = "DS_TTT_API_KEY"
+RETRY_STATUSES = (409, 429, 500, 502, 503, 504)
 TIMEOUT_EXIT_CODE = 124  # the sandbox's code for a timed-out command
 
 
@@ -68,6 +85,11 @@ class TTTAgentOptions(AgentOptions):
     ttt: bool = Field(default=True, description="false: the server answers with frozen weights")
     max_output_chars: int = Field(default=2000, ge=1, description="tool output kept (the generator's default)")
     request_timeout_sec: float = Field(default=600.0, gt=0, description="HTTP timeout of one completion")
+    api_key: Annotated[str, Env(API_KEY_ENV, fallback=API_KEY_ENV)] = Field(
+        default="ds-ttt", description="the server's --api-key (any value when it has none)")
+    max_retries: int = Field(default=6, ge=0, description="retries of one request on 409/429/5xx/connection errors")
+    retry_backoff_sec: float = Field(default=1.0, gt=0, description="first retry delay (doubles per retry)")
+    retry_backoff_max_sec: float = Field(default=30.0, gt=0, description="longest retry delay")
 
 
 def _now() -> str:
@@ -115,9 +137,55 @@ class TTTAgent(BaseAgent):
         return self.options
 
     def _client(self) -> openai.AsyncOpenAI:
-        # the server needs no key; the client insists on one
-        return openai.AsyncOpenAI(base_url=self.settings.server_url, api_key="ds-ttt",
+        # retries are ours (below): the client's would not replay an evicted session
+        return openai.AsyncOpenAI(base_url=self.settings.server_url, api_key=self.settings.api_key,
                                   timeout=self.settings.request_timeout_sec, max_retries=0)
+
+    def _delay(self, attempt: int, error: Exception) -> float:
+        """Retry-After when the server sent one, else exponential backoff with jitter."""
+        opts = self.settings
+        response = getattr(error, "response", None)
+        after = response.headers.get("retry-after") if response is not None else None
+        if after is not None:
+            try:
+                return min(float(after), opts.retry_backoff_max_sec)
+            except ValueError:
+                pass
+        base = min(opts.retry_backoff_sec * 2 ** attempt, opts.retry_backoff_max_sec)
+        return base * (0.5 + random.random() / 2)
+
+    async def _complete(self, client: openai.AsyncOpenAI, stats: dict, **kwargs):
+        """One chat completion, retried on 409/429/5xx and connection errors (module docstring)."""
+        for attempt in range(self.settings.max_retries + 1):
+            try:
+                return await client.chat.completions.create(**kwargs)
+            except openai.APIStatusError as e:
+                if e.status_code not in RETRY_STATUSES or attempt == self.settings.max_retries:
+                    raise
+                error: Exception = e
+            except openai.APIConnectionError as e:
+                if attempt == self.settings.max_retries:
+                    raise
+                error = e
+            stats["retries"] += 1
+            delay = self._delay(attempt, error)
+            self.logger.warning(f"ds_ttt server: {type(error).__name__} ({getattr(error, 'status_code', '')}); "
+                                f"retry {attempt + 1}/{self.settings.max_retries} in {delay:.1f} s")
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def _delete_session(self, session_id: str) -> bool:
+        """DELETE /v1/sessions/{id}: the server frees its KV cache and fast weights now (True if deleted)."""
+        import httpx
+
+        url = f"{self.settings.server_url.rstrip('/')}/sessions/{session_id}"
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+                r = await http.delete(url, headers={"Authorization": f"Bearer {self.settings.api_key}"})
+            return r.status_code == 200
+        except httpx.HTTPError as e:
+            self.logger.warning(f"ds_ttt server: could not delete session {session_id}: {e}")
+            return False
 
     async def _model(self, client: openai.AsyncOpenAI) -> str:
         served = [m.id for m in (await client.models.list()).data]
@@ -155,75 +223,102 @@ class TTTAgent(BaseAgent):
     async def run(self, instruction: str, environment: BaseEnvironment, context: AgentContext) -> None:
         opts = self.settings
         session = f"harbor-{self.session_id or uuid.uuid4().hex}"  # the trajectory's; the server names its own
-        server_session: str | None = None
         messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}]
         steps = [Step(step_id=1, timestamp=_now(), source="system", message=SYSTEM_PROMPT),
                  Step(step_id=2, timestamp=_now(), source="user", message=instruction)]
         totals = {"prompt": 0, "completion": 0}
-        ttt: dict | None = None
-        stop = "max_rounds"
+        # a fresh seed per attempt unless one is set (pass@k attempts must not sample alike)
+        seed = opts.seed if opts.seed is not None else random.SystemRandom().randrange(1 << 31)
+        self._stats = stats = {"retries": 0, "replays": 0, "seed": seed, "deleted": False}
         async with self._client() as client:
             model = getattr(self, "_served_model", None) or await self._model(client)
-            for _ in range(opts.max_rounds):
-                reply = await client.chat.completions.create(
-                    model=model, messages=messages, tools=[BASH_TOOL], temperature=opts.temperature, top_p=opts.top_p,
-                    max_tokens=opts.max_tokens, seed=opts.seed,
-                    extra_body={"ttt": opts.ttt} | ({"session_id": server_session} if server_session else {}))
-                ttt = (reply.model_extra or {}).get("ttt")
-                if not isinstance(ttt, dict):
-                    raise RuntimeError(f"{opts.server_url} is not a ds_ttt server: its reply has no `ttt` object")
-                if server_session is None:
-                    server_session = ttt["session_id"]
-                elif ttt["session_id"] != server_session:
-                    raise RuntimeError(f"the server answered from session {ttt['session_id']!r}, not "
-                                       f"{server_session!r}: it found the conversation diverged from its history "
-                                       "and restarted the fast weights")
-                choice = reply.choices[0]
-                message = choice.message
-                extra = message.model_extra or {}
-                assistant: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
-                if extra.get("reasoning_content") is not None:
-                    assistant["reasoning_content"] = extra["reasoning_content"]
-                calls = [c for c in (message.tool_calls or []) if c.type == "function"]
-                invalid = extra.get("invalid_tool_calls") or []  # the server's parse failures of <tool_call>
-                if calls:
-                    assistant["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                        "name": c.function.name, "arguments": c.function.arguments}} for c in calls]
-                messages.append(assistant)
-                outputs = []
-                for c in calls:
-                    command, error = parse_bash_command(c.function.name, c.function.arguments)
-                    outputs.append(error if command is None else await self._run_command(environment, command))
-                    messages.append({"role": "tool", "tool_call_id": c.id, "content": outputs[-1]})
-                usage = reply.usage
-                if usage is not None:
-                    totals["prompt"] += usage.prompt_tokens
-                    totals["completion"] += usage.completion_tokens
-                steps.append(Step(
-                    step_id=len(steps) + 1, timestamp=_now(), source="agent", model_name=model,
-                    message=assistant["content"], reasoning_content=assistant.get("reasoning_content"),
-                    tool_calls=[ToolCall(tool_call_id=c.id, function_name=c.function.name,
-                                         arguments=_arguments_dict(c.function.arguments)) for c in calls] or None,
-                    observation=Observation(results=[ObservationResult(source_call_id=c.id, content=o)
-                                                     for c, o in zip(calls, outputs)]) if calls else None,
-                    metrics=Metrics(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
-                    if usage is not None else None,
-                    extra={"ttt": ttt, "finish_reason": choice.finish_reason}
-                    | ({"invalid_tool_calls": invalid} if invalid else {})))
-                self._write_trajectory(session, model, steps, totals, ttt, stop=None)
-                self._fill_context(context, session, totals, ttt, len(steps) - 2, None)
-                if not calls:  # unparseable calls cannot go back as tool results: the episode ends there
-                    stop = ("invalid_tool_calls" if invalid else "answer") if choice.finish_reason == "stop" \
-                        else str(choice.finish_reason)
-                    break
+            try:
+                stop, ttt = await self._episode(client, environment, context, model, messages, steps, totals, session,
+                                                stats, seed)
+            finally:
+                if stats.get("server_session"):
+                    stats["deleted"] = await self._delete_session(stats["server_session"])
         self._write_trajectory(session, model, steps, totals, ttt, stop=stop)
         self._fill_context(context, session, totals, ttt, len(steps) - 2, stop)
+
+    async def _episode(self, client, environment: BaseEnvironment, context: AgentContext, model: str,
+                       messages: list[dict], steps: list, totals: dict, session: str, stats: dict, seed: int):
+        """The rounds of one episode (module docstring); returns (stop, the last ttt object)."""
+        opts = self.settings
+        ttt: dict | None = None
+        stop = "max_rounds"
+        server_session: str | None = None
+        for _ in range(opts.max_rounds):
+            while True:
+                try:
+                    reply = await self._complete(
+                        client, stats, model=model, messages=messages, tools=[BASH_TOOL], temperature=opts.temperature,
+                        top_p=opts.top_p, max_tokens=opts.max_tokens, seed=seed,
+                        extra_body={"ttt": opts.ttt} | ({"session_id": server_session} if server_session else {}))
+                    break
+                except openai.NotFoundError as e:
+                    code = (e.body or {}).get("code") if isinstance(e.body, dict) else None
+                    if server_session is None or code != "session_not_found":
+                        raise
+                    # evicted, expired or a restarted server: replay the history into a new session
+                    self.logger.warning(f"ds_ttt server: session {server_session} is gone; replaying "
+                                        f"{len(messages)} messages")
+                    stats["replays"] += 1
+                    server_session = stats["server_session"] = None
+            ttt = (reply.model_extra or {}).get("ttt")
+            if not isinstance(ttt, dict):
+                raise RuntimeError(f"{opts.server_url} is not a ds_ttt server: its reply has no `ttt` object")
+            if ttt["session_id"] != server_session:
+                if server_session is not None:  # the server found our history diverged from its own
+                    self.logger.warning(f"ds_ttt server answered from session {ttt['session_id']}, not "
+                                        f"{server_session}")
+                server_session = stats["server_session"] = ttt["session_id"]
+            choice = reply.choices[0]
+            message = choice.message
+            extra = message.model_extra or {}
+            assistant: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
+            if extra.get("reasoning_content") is not None:
+                assistant["reasoning_content"] = extra["reasoning_content"]
+            calls = [c for c in (message.tool_calls or []) if c.type == "function"]
+            invalid = extra.get("invalid_tool_calls") or []  # the server's parse failures of <tool_call>
+            if calls:
+                assistant["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": c.function.arguments}} for c in calls]
+            messages.append(assistant)
+            outputs = []
+            for c in calls:
+                command, error = parse_bash_command(c.function.name, c.function.arguments)
+                outputs.append(error if command is None else await self._run_command(environment, command))
+                messages.append({"role": "tool", "tool_call_id": c.id, "content": outputs[-1]})
+            usage = reply.usage
+            if usage is not None:
+                totals["prompt"] += usage.prompt_tokens
+                totals["completion"] += usage.completion_tokens
+            steps.append(Step(
+                step_id=len(steps) + 1, timestamp=_now(), source="agent", model_name=model,
+                message=assistant["content"], reasoning_content=assistant.get("reasoning_content"),
+                tool_calls=[ToolCall(tool_call_id=c.id, function_name=c.function.name,
+                                     arguments=_arguments_dict(c.function.arguments)) for c in calls] or None,
+                observation=Observation(results=[ObservationResult(source_call_id=c.id, content=o)
+                                                 for c, o in zip(calls, outputs)]) if calls else None,
+                metrics=Metrics(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
+                if usage is not None else None,
+                extra={"ttt": ttt, "finish_reason": choice.finish_reason}
+                | ({"invalid_tool_calls": invalid} if invalid else {})))
+            self._write_trajectory(session, model, steps, totals, ttt, stop=None)
+            self._fill_context(context, session, totals, ttt, len(steps) - 2, None)
+            if not calls:  # unparseable calls cannot go back as tool results: the episode ends there
+                stop = ("invalid_tool_calls" if invalid else "answer") if choice.finish_reason == "stop" \
+                    else str(choice.finish_reason)
+                break
+        return stop, ttt
 
     def _fill_context(self, context: AgentContext, session: str, totals: dict, ttt: dict | None, rounds: int,
                       stop: str | None) -> None:
         context.n_input_tokens = totals["prompt"]
         context.n_output_tokens = totals["completion"]
-        context.metadata = {"session_id": session, "rounds": rounds, "stop": stop, "ttt": ttt}
+        context.metadata = {"session_id": session, "rounds": rounds, "stop": stop, "ttt": ttt,
+                            **{k: v for k, v in getattr(self, "_stats", {}).items() if k != "server_session"}}
 
     def _write_trajectory(self, session: str, model: str, steps: list[Step], totals: dict, ttt: dict | None,
                           stop: str | None) -> None:

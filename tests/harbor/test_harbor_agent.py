@@ -149,3 +149,109 @@ def test_ttt_agent_solves_the_task_through_harbor(harbor_python, ttt_server, tmp
     assert exception_of(frozen) == "", exception_of(frozen)
     frozen_steps = agent_steps(json.loads((trial / "agent" / "trajectory.json").read_text()))
     assert [s["extra"]["ttt"]["updates"] for s in frozen_steps] == [0] * len(frozen_steps)
+
+
+# ---- a fleet's failures: retries, eviction, session cleanup, seeds -------------------------------
+AGENT_PROBE = r"""
+import asyncio, json, shutil, subprocess, sys, tempfile
+from pathlib import Path
+
+from harbor.environments.base import ExecResult
+from harbor.models.agent.context import AgentContext
+
+from ds_ttt.serve.harbor_agent import TTTAgent
+
+
+class LocalEnvironment:
+    # what TTTAgent uses of a Harbor environment: exec (here: bash in a scratch copy of the task's files)
+    def __init__(self, root):
+        self.root = root
+
+    async def exec(self, command, timeout_sec=None, **kw):
+        p = subprocess.run(["bash", "-c", command], cwd=self.root, capture_output=True, text=True, timeout=timeout_sec)
+        return ExecResult(stdout=p.stdout, stderr=p.stderr, return_code=p.returncode)
+
+
+async def attempt(url, env_dir, instruction):
+    work = Path(tempfile.mkdtemp())
+    root = work / "app"
+    shutil.copytree(env_dir, root)
+    agent = TTTAgent(logs_dir=work / "logs", server_url=url, max_rounds=4, max_tokens=96, retry_backoff_sec=0.05,
+                     api_key="sk-fleet")
+    await agent.setup(LocalEnvironment(root))
+    context = AgentContext()
+    await agent.run(instruction, LocalEnvironment(root), context)
+    answer = (root / "answer.txt").read_text().strip() if (root / "answer.txt").exists() else None
+    steps = json.loads((work / "logs" / "trajectory.json").read_text())["steps"]
+    return {"metadata": context.metadata, "answer": answer, "num_steps": len(steps)}
+
+
+url, env_dir, instruction = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]).read_text()
+print(json.dumps([asyncio.run(attempt(url, env_dir, instruction)) for _ in range(2)]))
+"""
+
+
+def test_ttt_agent_retries_replays_after_eviction_and_deletes_its_session(harbor_python, scripted_export, tmp_path):
+    """TTTAgent (Harbor's AgentContext, the real openai client) against the project's server, with
+    faults injected in front of it: the first chat request gets a 429 (Retry-After), the next a 503;
+    right after the first reply the server evicts the session. The agent retries, replays its history
+    into a new session, solves the task, and deletes its session at the end; two attempts draw
+    different seeds."""
+    import threading
+    import time
+
+    from fastapi.responses import JSONResponse
+
+    from ds_ttt.serve import AgentModel
+    from ds_ttt.serve.conversations import ConversationStore
+    from ds_ttt.serve.http import bind, create_app, make_server
+
+    store = ConversationStore(AgentModel.load(scripted_export), max_new_tokens=96)
+    app = create_app(store, "scripted-export", api_keys=["sk-fleet"])
+    faults = [429, 503]  # the first two chat requests fail
+
+    @app.middleware("http")
+    async def inject(request, call_next):
+        if request.url.path.endswith("/chat/completions") and faults:
+            status = faults.pop(0)
+            return JSONResponse({"error": {"message": f"injected {status}", "type": "server_error", "param": None,
+                                           "code": None}}, status_code=status, headers={"Retry-After": "0"})
+        return await call_next(request)
+
+    evicted: list[str] = []
+    chat = store.chat
+
+    def chat_then_evict(req, *args, **kwargs):
+        result = chat(req, *args, **kwargs)
+        if not evicted:  # the first reply's session is evicted right after it is sent
+            evicted.append(result.conversation_id)
+            with store._lock:
+                store._convs.pop(result.conversation_id)
+        return result
+    store.chat = chat_then_evict
+
+    sock = bind("127.0.0.1", 0)
+    srv = make_server(app, sock)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    try:
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        proc = subprocess.run([str(harbor_python), "-c", AGENT_PROBE, url, str(TASK_DIR / "environment"),
+                               str(TASK_DIR / "instruction.md")], capture_output=True, text=True, timeout=600,
+                              env=harbor_env(), cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+    for run in (first, second):
+        assert run["metadata"]["stop"] == "answer" and run["answer"] == "3", run
+        assert run["metadata"]["deleted"] is True
+    assert first["metadata"]["retries"] == 2 and first["metadata"]["replays"] == 1
+    assert first["metadata"]["ttt"]["session_id"] != evicted[0]  # a new session took over after the replay
+    assert first["metadata"]["ttt"]["updates"] == 1  # the replay re-learned the tool result
+    assert second["metadata"]["retries"] == 0 and second["metadata"]["replays"] == 0
+    assert first["metadata"]["seed"] != second["metadata"]["seed"]
+    assert len(store) == 0  # every session was deleted by its agent

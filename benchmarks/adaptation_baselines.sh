@@ -18,6 +18,9 @@
 # Writes OUT.{json,md,png} (OUT = benchmarks/results/adaptation_baselines; SMOKE: WORK_DIR/report) with
 # the command, seeds and the load average at start and end. Knobs: MAX_STEPS (1000), NUM_TRAJ (300),
 # NUM_EXTRA (600), SEED (0), RUN_CONFIG (ds_configs/run_cpu_tiny.json), DATA (reuse a manifest), OUT.
+# After `bash launch/main.sh` the main job's model IS the ttt_current row (same data, recipe, layout,
+# steps and seed); reuse it instead of training it again:
+#   MAIN=runs/main bash benchmarks/adaptation_baselines.sh      # DATA, sets and ttt_current from runs/main
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WORK="${1:-runs/baselines}"
@@ -40,6 +43,9 @@ load_start=$(cut -d' ' -f1 /proc/loadavg)
 t0=$(date +%s)
 step() { echo; echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
 
+if [ -n "${MAIN:-}" ]; then
+  DATA="$MAIN/data/manifest.json"
+fi
 if [ -z "${DATA:-}" ]; then
   step "data: $NUM_TRAJ trajectories (seed $SEED) + $NUM_EXTRA memory episodes (seed $((SEED + 1))), compact vocabulary"
   $PY data_prep/generate.py --out "$WORK/raw" --num "$NUM_TRAJ" --seed "$SEED" --no-token-stats
@@ -49,9 +55,14 @@ if [ -z "${DATA:-}" ]; then
   DATA="$WORK/data/manifest.json"
 fi
 
-step "held-out sets (test split): $WORLDS worlds, >= $MEMORY memory-check rounds, >= $RECOVERY recovery rounds"
-$PY evals/heldout_sets.py --manifest "$DATA" --out "$WORK/sets" --split test --worlds "$WORLDS" \
-  --memory "$MEMORY" --recovery "$RECOVERY" > /dev/null
+if [ -n "${MAIN:-}" ] && [ -f "$MAIN/sets/sets.json" ]; then
+  step "held-out sets: the main job's ($MAIN/sets)"
+  rm -rf "$WORK/sets" && cp -r "$MAIN/sets" "$WORK/sets"
+else
+  step "held-out sets (test split): $WORLDS worlds, >= $MEMORY memory-check rounds, >= $RECOVERY recovery rounds"
+  $PY evals/heldout_sets.py --manifest "$DATA" --out "$WORK/sets" --split test --worlds "$WORLDS" \
+    --memory "$MEMORY" --recovery "$RECOVERY" > /dev/null
+fi
 
 train_row() {  # NAME TTT_OVERRIDE...
   local name=$1
@@ -65,7 +76,12 @@ train_row() {  # NAME TTT_OVERRIDE...
   echo "[baselines] $name trained ($(( $(date +%s) - t0 )) s)"
 }
 
-train_row ttt_current context_policy=current_round
+if [ -n "${MAIN:-}" ]; then
+  step "ttt_current: the main job's model ($MAIN/run)"
+  rm -rf "$WORK/ttt_current" && ln -s "$(realpath "$MAIN/run")" "$WORK/ttt_current"
+else
+  train_row ttt_current context_policy=current_round
+fi
 train_row ttt_full context_policy=full
 train_row sft_full adaptive_layers=0 trainable_scope=all context_policy=full
 train_row sft_current adaptive_layers=0 trainable_scope=all context_policy=current_round
@@ -84,7 +100,7 @@ elapsed=$(( $(date +%s) - t0 ))
 step "report -> $OUT.{json,md,png}"
 $PY evals/baselines_report.py --rows "$WORK"/ttt_current.row.json "$WORK"/ttt_full.row.json "$WORK"/sft_full.row.json \
   "$WORK"/sft_current.row.json --out "$OUT" \
-  --command "SMOKE=$SMOKE MAX_STEPS=$MAX_STEPS NUM_TRAJ=$NUM_TRAJ NUM_EXTRA=$NUM_EXTRA SEED=$SEED RUN_CONFIG=$RUN_CONFIG bash benchmarks/adaptation_baselines.sh $WORK" \
+  --command "MAIN=${MAIN:-} SMOKE=$SMOKE MAX_STEPS=$MAX_STEPS NUM_TRAJ=$NUM_TRAJ NUM_EXTRA=$NUM_EXTRA SEED=$SEED RUN_CONFIG=$RUN_CONFIG bash benchmarks/adaptation_baselines.sh $WORK" \
   --seeds "{\"main_corpus\": $SEED, \"extra_memory_episodes\": $((SEED + 1)), \"train\": $SEED, \"max_steps\": $MAX_STEPS}" \
   --load-start "$load_start" --load-end "$load_end" --extra "{\"seconds\": $elapsed, \"run_config\": \"$RUN_CONFIG\"}"
 step "done in $(( $(date +%s) - t0 )) s"

@@ -10,6 +10,9 @@ Held-out sets (written once, scored identically for every model, so differences 
                      MEMORY_DEV_SEED_BASE + i), from the held-out pool (names, value formats and
                      readback commands training never uses); worlds_128 over all, worlds_32 over the
                      first 32; a world passes when every readback observation is predicted exactly.
+                     Beside them, 32 worlds of the TRAINING pool on the same seeds (fresh values, the
+                     formats training uses): `worlds_train_pool_32`, a diagnostic that separates "the
+                     memory does not work" from "it does not transfer to unseen formats".
   memory episodes    fresh memory-family episodes (generator seeds of the split's namespace) whose
                      task prompt appears nowhere in the training split; kept until >= `num_memory`
                      memory-check rounds (the action must reproduce an earlier observed fact).
@@ -86,12 +89,15 @@ def build_heldout_sets(manifest_path: str, out_dir: str, *, split: str = "test",
     recovery, gen_r = fresh_episodes("error_recovery", seed + 10_000, train_prompts, min_units=num_recovery,
                                      units_of=lambda t: len(t["meta"].get("recovery_rounds") or []))
     worlds = [generate_memory_world(MEMORY_SPLITS[split] + i) for i in range(num_worlds)]
+    train_pool = [generate_memory_world(MEMORY_SPLITS[split] + i, pool="train") for i in range(min(32, num_worlds))]
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     info = {"format": SETS_FORMAT, "split": split, "manifest": str(manifest_path), "manifest_sha256": man.sha256,
             "num_train_prompts": len(train_prompts), "files": {}}
     for name, trajs, seeds in (("memory_episodes", memory, [seed, gen_m]), ("recovery_episodes", recovery, [seed + 10_000, gen_r]),
-                               ("memory_worlds", worlds, [MEMORY_SPLITS[split], MEMORY_SPLITS[split] + num_worlds - 1])):
+                               ("memory_worlds", worlds, [MEMORY_SPLITS[split], MEMORY_SPLITS[split] + num_worlds - 1]),
+                               ("memory_worlds_train_pool", train_pool,
+                                [MEMORY_SPLITS[split], MEMORY_SPLITS[split] + len(train_pool) - 1])):
         text = "".join(json.dumps(t, sort_keys=True) + "\n" for t in trajs)
         (out / f"{name}.jsonl").write_text(text)
         info["files"][name] = {"num": len(trajs), "sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -145,12 +151,18 @@ def score_model(model, tokenizer, sets: dict[str, list[dict]], *, progress: bool
     return out
 
 
-def summarize_mode(per_set: dict[str, list], sets: dict[str, list[dict]]) -> dict:
-    worlds = []
-    for traj, metrics in zip(sets["memory_worlds"], per_set["memory_worlds"]):
+def _readbacks(trajs: list[dict], per_traj: list) -> list[list[bool]]:
+    out = []
+    for traj, metrics in zip(trajs, per_traj):
         by_round = {m.round: m for m in metrics}
-        worlds.append([bool(by_round[rb["round"]].obs_exact) for rb in traj["meta"]["readbacks"]])
+        out.append([bool(by_round[rb["round"]].obs_exact) for rb in traj["meta"]["readbacks"]])
+    return out
+
+
+def summarize_mode(per_set: dict[str, list], sets: dict[str, list[dict]]) -> dict:
+    worlds = _readbacks(sets["memory_worlds"], per_set["memory_worlds"])
     passed = [all(w) for w in worlds]
+    in_pool = [all(w) for w in _readbacks(sets["memory_worlds_train_pool"], per_set["memory_worlds_train_pool"])]
     readbacks = [x for w in worlds for x in w]
     mem_em = [bool(m.action_exact) for ep in per_set["memory_episodes"] for m in ep if m.memory_check and m.action_exact is not None]
     rec_units = [(sum(m.action_nll_sum for m in ep if m.recovery), sum(m.action_tokens for m in ep if m.recovery))
@@ -173,6 +185,7 @@ def summarize_mode(per_set: dict[str, list], sets: dict[str, list[dict]]) -> dic
     rate("worlds_128", passed)
     rate("worlds_32", passed[:32])
     rate("readbacks_exact", readbacks)
+    rate("worlds_train_pool_32", in_pool)
     rate("memory_action_em", mem_em)
     nll("recovery_nll", rec_units)
     nll("action_nll", act_units)
@@ -212,7 +225,8 @@ def score_checkpoint(checkpoint: str, sets_dir: str, *, label: str, progress: bo
             "ttt": model.ttt.to_dict(), "provenance": loaded.provenance, "modes": scored}
 
 
-ROW_METRICS = ("worlds_128", "worlds_32", "readbacks_exact", "memory_action_em", "recovery_nll", "action_nll")
+ROW_METRICS = ("worlds_128", "worlds_32", "readbacks_exact", "memory_action_em", "recovery_nll", "action_nll",
+               "worlds_train_pool_32")
 
 
 def compare_rows(models: list[dict], *, command: str, seeds: dict, load: dict) -> dict:
@@ -291,13 +305,15 @@ def markdown(report: dict) -> str:
              f"- memory worlds: {files['memory_worlds']['num']} (seeds {files['memory_worlds']['seeds']}); "
              f"memory episodes: {files['memory_episodes']['num']} ({files['memory_episodes']['memory_check_rounds']} "
              f"memory-check rounds); recovery episodes: {files['recovery_episodes']['num']} "
-             f"({files['recovery_episodes']['recovery_rounds']} recovery rounds); prompts never seen in training",
+             f"({files['recovery_episodes']['recovery_rounds']} recovery rounds); prompts never seen in training; "
+             "`worlds, training pool` is a diagnostic (formats training uses, fresh values)",
              f"- command: `{report['command']}`", f"- seeds: {json.dumps(report['seeds'])}",
              f"- load average at start / end: {report['load'].get('start')} / {report['load'].get('end')}", "",
              "95% intervals: Wilson for rates, bootstrap over episodes for NLLs. `frozen` rows are ablations "
              "(the TTT model with its updates off), not baselines.", "",
-             "| model | train policy | mode | worlds (128) | worlds (32) | readbacks exact | memory-check EM | recovery NLL | action NLL |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | train policy | mode | worlds (128) | worlds (32) | readbacks exact | memory-check EM | recovery NLL "
+             "| action NLL | worlds, training pool (32) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         lines.append("| " + " | ".join([
             r["model"], r["train_policy"], r["mode"] + (" (ablation)" if r["ablation"] else ""),
@@ -306,7 +322,8 @@ def markdown(report: dict) -> str:
             _fmt(r["readbacks_exact"], r["readbacks_exact_lo"], r["readbacks_exact_hi"], True),
             _fmt(r["memory_action_em"], r["memory_action_em_lo"], r["memory_action_em_hi"], True),
             _fmt(r["recovery_nll"], r["recovery_nll_lo"], r["recovery_nll_hi"]),
-            _fmt(r["action_nll"], r["action_nll_lo"], r["action_nll_hi"])]) + " |")
+            _fmt(r["action_nll"], r["action_nll_lo"], r["action_nll_hi"]),
+            _fmt(r["worlds_train_pool_32"], r["worlds_train_pool_32_lo"], r["worlds_train_pool_32_hi"], True)]) + " |")
     if report.get("targets"):
         lines += ["", "Targets (issue 19; measured on the test split, never relaxed):", "",
                   "| target | threshold | measured | met |", "|---|---|---|---|"]

@@ -108,6 +108,6 @@ def validate_deepspeed(run: RunConfig, ds: dict, world_size: int, num_hidden_lay
                              "(--max_steps or epochs); remove it from the DeepSpeed config")
     run.ttt.validate(num_hidden_layers)
     if run.ttt.num_adaptive(num_hidden_layers) == 0 and run.ttt.trainable_scope == "prime":
-        raise ValueError("ttt.trainable_scope='prime' with ttt.adaptive_layers=0 trains nothing; use 'suffix' "
-                         "or 'all' for the SFT baseline")
+        raise ValueError("ttt.trainable_scope='prime' with ttt.adaptive_layers=0 trains nothing; use 'all' for "
+                         "the SFT baseline (the whole backbone; 'suffix' would train only the final norm and LM head)")
     return resolve_layout(stages, num_hidden_layers, run.ttt, run.partition, tied_embeddings=tied_embeddings)

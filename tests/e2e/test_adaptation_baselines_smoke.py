@@ -46,3 +46,4 @@ def test_baselines_smoke_writes_every_row_with_intervals(tmp_path):
     assert "adaptation_baselines.sh" in report["command"] and report["seeds"]["max_steps"] == 4
     sets = report["sets"]["files"]
     assert sets["memory_worlds"]["num"] == 4 and sets["recovery_episodes"]["recovery_rounds"] >= 3
+    assert sets["memory_worlds_train_pool"]["num"] == 4

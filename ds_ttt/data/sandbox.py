@@ -104,12 +104,20 @@ _READ_CHUNK = 1 << 16
 # PID 1: moves the status / stderr pipes to fds 3 / 4, then runs the episode's shell, again each time it ends.
 SUPERVISOR = ('exec 3>&{st} 4>&{err} {st}>&- {err}>&- 5>&2 2>/dev/null; '  # its own messages ("Killed ...") go nowhere
               'while :; do bash --noprofile --norc -c "$1" bash 2>&5 5>&-; builtin printf \'exit %d\\n\' "$?" >&3; done')
-# The episode's shell, on one line so that bash reports errors as `bash: line 1: ...`, as `bash -c` does.
+RUN_FUNCTION = '__ds_run() { builtin eval "$__ds_cmd"; }\n'
+# The episode's shell.
 # Requests arrive NUL-terminated on stdin: a kind ("shell": eval here; "fresh": in a subshell, stderr on
 # fd 4) and a command. The status goes to fd 3; a command never holds fds 3, 4 or the request pipe.
 DRIVER = ("{limits}; builtin printf 'ready %d\\n' $$ >&3; "
+          # at a timeout the host sends SIGUSR1 before killing the command's processes: the trap returns
+          # from __ds_run, so the rest of the command line is abandoned (as Ctrl-C would in a terminal)
+          "trap 'builtin return 130 2>/dev/null' USR1; "
+          # __ds_run comes from a file named `bash` (RUN_FUNCTION), so errors read `bash: x: command not found`
+          # as in an interactive terminal (a function defined here would be reported as `environment: line 1`)
+          "__o=$PWD; builtin cd {xfer} && shopt -u sourcepath && builtin source bash && shopt -s sourcepath; "
+          "builtin cd \"$__o\"; unset OLDPWD __o; "
           "while builtin read -r -d '' __ds_kind && builtin read -r -d '' __ds_cmd; do "
-          "if [ \"$__ds_kind\" = shell ]; then { builtin eval \"$__ds_cmd\"; } </dev/null 2>&1 3>&- 4>&-; "
+          "if [ \"$__ds_kind\" = shell ]; then { __ds_run; } </dev/null 2>&1 3>&- 4>&-; "
           "else ( builtin eval \"$__ds_cmd\" ) </dev/null 2>&4 3>&- 4>&-; fi; "
           "builtin printf '%d\\n' \"$?\" >&3; done")
 
@@ -307,6 +315,8 @@ class Sandbox:
                 os.chmod(self._host(d), 0o1777)
         self.env = dict(SANDBOX_ENV, HOME=self._inside(self.home), TMPDIR=self._inside("/tmp"), **(env or {}))
         (self.base / "xfer").mkdir(mode=0o755)  # uploads, bound read-only at /run/ds_ttt inside
+        (self.base / "xfer" / "bash").write_text(RUN_FUNCTION)
+        os.chmod(self.base / "xfer" / "bash", 0o644)
         (self.base / "passwd").write_text(f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
                                           f"agent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:{self.home}:/bin/bash\n"
                                           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
@@ -318,6 +328,9 @@ class Sandbox:
         self._supervisor = self._driver = None  # (host pid, start time)
         self._pending_note = (False, False)  # (shell restarted, files lost) to report with the next result
         self.num_restarts = 0
+
+    def _inside_xfer(self) -> str:
+        return "/run/ds_ttt" if self.isolation == "bwrap" else str(self.base / "xfer")
 
     def _host(self, inside: str) -> Path:
         return self.fs_root / PurePosixPath(inside).relative_to("/")
@@ -332,7 +345,7 @@ class Sandbox:
         if self.isolation == "bwrap":
             limits += f" -u {self.max_processes}"
         shell = ["bash", "--noprofile", "--norc", "-c", SUPERVISOR.replace("{st}", str(st_fd)).replace("{err}", str(err_fd)), "bash",
-                 DRIVER.replace("{limits}", limits)]
+                 DRIVER.replace("{limits}", limits).replace("{xfer}", shlex.quote(self._inside_xfer()))]
         if self.isolation == "none":
             return shell
         argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
@@ -429,7 +442,7 @@ class Sandbox:
             target = self._host(mount)
             target.mkdir(parents=True, exist_ok=True)
             with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-                tar.extractall(target, filter="data")
+                tar.extractall(target, filter=_export_filter)
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -547,8 +560,18 @@ class Sandbox:
         if status is None:
             timed_out = len(out) + len(err) <= cap
             truncated = not timed_out
+            self._drain(self._out, out, cap)
+            self._drain(self._err, err, cap)
+            marks = (len(out), len(err))  # what the command printed before it was stopped is its output
+            if self._driver is not None:
+                try:
+                    os.kill(self._driver[0], signal.SIGUSR1)  # first, so the shell abandons the command line
+                except ProcessLookupError:
+                    pass
             self._kill_new(before)
             status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, cap, before)
+        else:
+            marks = None
         restarted, lost = self._pending_note
         self._pending_note = (False, False)
         if status is None:  # the shell itself is busy (a builtin loop): kill it, the supervisor starts another
@@ -577,6 +600,8 @@ class Sandbox:
         if self._proc is not None:
             self._drain(self._out, out, cap)
             self._drain(self._err, err, cap)
+        if marks is not None:  # drop what came after the stop (bash's "Killed" notes, the trap's leftovers)
+            del out[marks[0]:], err[marks[1]:]
         truncated = truncated or len(out) + len(err) > cap
         code = 124 if timed_out else (status[1] if status is not None else 137)
         raw = bytes(out[:cap])
@@ -665,6 +690,14 @@ class Sandbox:
                 return
             _kill(victims)
             time.sleep(0.002)
+
+def _export_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """tarfile's "tar" filter (nothing lands outside dest, even through links extracted before; no setuid
+    bits) that also drops device nodes; links are kept as links, never followed."""
+    if member.ischr() or member.isblk():
+        return None
+    return tarfile.tar_filter(member, dest)
+
 
 def _check_reachable(base: Path) -> None:
     """bwrap runs as HOST_UID_FOR_ROOT when the caller is root: every parent of BASE must be searchable by it."""

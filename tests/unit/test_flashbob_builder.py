@@ -115,3 +115,124 @@ def test_ptx_check_passes_only_when_every_kernel_entry_has_mma(tmp_path):
     assert "bob_col_kernel" in no_mma.stdout and "no mma.sync" in no_mma.stdout
     missing = _run_ptx_check(_synthetic_ptx(tmp_path, drop_entry=victim))
     assert missing.returncode != 0 and "3 PTX entries, expected 4" in missing.stdout
+
+
+# ---- prebuilt objects: the C-ABI library (capi.py) and the manifest rules of load_with_prebuilt ---------
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+import pytest  # noqa: E402
+
+from ds_ttt.ops.flashbob.capi import FlashBoBLib, ProbeLib  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def emu_capi_lib(tmp_path_factory):
+    """csrc/flashbob_capi.cpp over the CPU emulator (csrc/emu/capi_emu.cpp), built with g++ (~5 s)."""
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    assert cxx, "no C++ compiler on PATH (set CXX): the C-ABI tests need one"
+    out = tmp_path_factory.mktemp("capi") / "libflashbob_emu.so"
+    csrc = fb_builder.CSRC
+    include = Path(torch.__file__).parent / "include"  # c10 BFloat16/Half (header-only) for the emulator
+    r = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-Wno-reorder", f"-I{csrc}", f"-I{csrc / 'emu'}",
+                        "-isystem", str(include), str(csrc / "emu" / "capi_emu.cpp"), "-o", str(out), "-pthread"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def _qkv(D=64, dtype=torch.bfloat16, N=40):
+    g = torch.Generator().manual_seed(0)
+    q, do, uq = (torch.randn(1, 4, N, D, generator=g).to(dtype) for _ in range(3))
+    k, v, uk, uv = (torch.randn(1, 2, N, D, generator=g).to(dtype) for _ in range(4))
+    return q, k, v, do, uq, uk, uv
+
+
+@pytest.mark.parametrize("D, dtype", [(64, torch.bfloat16), (128, torch.float16)])
+def test_capi_path_gives_the_torch_binding_bits(emu_capi_lib, D, dtype):
+    """The ctypes path (argument order, Geo packing, dtype codes) against the torch-extension build of
+    the same emulated kernels: every output must be bit-identical."""
+    capi, ext = FlashBoBLib(emu_capi_lib, device_type="cpu"), fb_builder.load_cuda_emu_op()
+    q, k, v, do, uq, uk, uv = _qkv(D, dtype)
+    args = (True, 30, 0, 0, D ** -0.5)
+    o1, s1 = capi.fwd(q, k, v, *args)
+    o2, s2 = ext.fwd(q, k, v, *args)
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    assert capi.last_launched_kernel() == "fwd_kernel"
+    for a, b in zip(capi.bwd(q, k, v, o1, s1, do, *args), ext.bwd(q, k, v, o2, s2, do, *args)):
+        assert torch.equal(a, b)
+    dq = torch.zeros_like(q)
+    for a, b in zip(capi.bwd_bwd(q, k, v, o1, s1, do, dq, uq, None, uv, *args),
+                    ext.bwd_bwd(q, k, v, o2, s2, do, dq, uq, None, uv, *args)):
+        assert torch.equal(a, b)
+    assert capi.last_launched_kernel() == "bob_col_kernel"
+
+
+def test_capi_checks_and_errors_read_like_the_binding(emu_capi_lib):
+    capi = FlashBoBLib(emu_capi_lib, device_type="cpu")
+    q, k, v, *_ = _qkv()
+    flat = torch.randn(q.numel() + 1).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="q must start at a 16-byte aligned address"):
+        capi.fwd(flat[1:].view(q.shape), k, v, True, 0, 0, 0, 0.125)
+    with pytest.raises(RuntimeError, match="supports head dim 64/128, got 32"):
+        capi.fwd(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(), True, 0, 0, 0, 0.1)
+    with pytest.raises(RuntimeError, match="window must be >= 0 and needs causal"):
+        capi.fwd(q, k, v, False, 5, 0, 0, 0.125)
+    with pytest.raises(RuntimeError, match="must be a CPU tensor"):  # the GPU build says "CUDA tensor"
+        FlashBoBLib(emu_capi_lib, device_type="cpu").fwd(q.to("meta"), k, v, True, 0, 0, 0, 0.125)
+    capi.fwd(q, k, v, True, 0, 0, 0, 0.125)  # fwd_kernel is now the last one enqueued
+    with pytest.raises(RuntimeError, match=r"flashbob cuda fwd failed in fwd_kernel: .*CUDA_LAUNCH_BLOCKING=1"):
+        capi._launch("fwd", lambda: 1)
+
+
+def test_capi_probe_gives_the_probe_binding_registers(emu_capi_lib):
+    from ds_ttt.ops.flashbob.probe_builder import load_probe_emu
+    from tests.unit import mma_probe_cases as mc
+
+    capi, ext = mc.Probe(ProbeLib(emu_capi_lib, device_type="cpu"), "cpu"), mc.Probe(load_probe_emu(), "cpu")
+    for case in (mc.ldmatrix_case(5, nthreads=64, seed=1), mc.mma_case(torch.float16, True, 64, 3, True),
+                 mc.cp_async_case(nthreads=128, seed=8)):
+        (u1, f1), (u2, f2) = capi.run_case(case), ext.run_case(case)
+        assert torch.equal(u1, u2) and torch.equal(f1, f2)
+
+
+def _manifest(folder, file, *, abi="c", gpu=False, digest=None, **extra):
+    (folder / "manifest.json").write_text(json.dumps({
+        "torch": torch.__version__, "python": "%d.%d" % sys.version_info[:2], "arch_list": "8.0;9.0",
+        "sources_sha256": digest or fb_builder.sources_digest(),
+        "modules": {"x": {"file": file, "abi": abi, "gpu": gpu}}, **extra}))
+
+
+def test_load_with_prebuilt_uses_a_fitting_library_and_records_why_not_otherwise(emu_capi_lib, tmp_path,
+                                                                                   monkeypatch):
+    shutil.copy(emu_capi_lib, tmp_path / "lib.so")
+    monkeypatch.setenv("DS_TTT_FLASHBOB_PREBUILT", str(tmp_path))
+    wrap = lambda p: FlashBoBLib(p, device_type="cpu")  # noqa: E731
+    _manifest(tmp_path, "lib.so")
+    lib = fb_builder.load_with_prebuilt("x", lambda: pytest.fail("JIT despite a fitting prebuilt library"),
+                                        gpu=False, capi=wrap)
+    assert isinstance(lib, FlashBoBLib) and fb_builder.load_info()["x"]["path"] == "prebuilt"
+    _manifest(tmp_path, "lib.so", digest="0" * 64)  # sources edited after the prebuild
+    assert fb_builder.load_with_prebuilt("x", lambda: "jit-module", gpu=False, capi=wrap) == "jit-module"
+    info = fb_builder.load_info()["x"]
+    assert info["path"] == "jit" and "sources changed" in info["prebuilt_skipped"]
+    monkeypatch.setenv("DS_TTT_FLASHBOB_PREBUILT", "0")
+    fb_builder.load_with_prebuilt("x", lambda: "jit-module", gpu=False, capi=wrap)
+    assert "disabled" in fb_builder.load_info()["x"]["prebuilt_skipped"]
+
+
+def test_prebuilt_manifest_rules():
+    m = {"torch": "2.14.1+cu130", "python": "3.11", "arch_list": "8.0;9.0", "sources_sha256": "abc",
+         "modules": {"c": {"file": "l.so", "abi": "c", "gpu": True},
+                     "t": {"file": "t.so", "abi": "torch", "gpu": False}}}
+    kw = dict(torch_version="2.11.0+cu130", python="3.12", digest="abc")
+    assert fb_builder.prebuilt_mismatch(m, "c", capability=(9, 0), **kw) == ""  # any torch, any Python
+    assert fb_builder.prebuilt_mismatch(m, "c", capability=(8, 6), **kw) == ""  # sm_80 cubin runs on 8.6
+    assert "this GPU is sm_100" in fb_builder.prebuilt_mismatch(m, "c", capability=(10, 0), **kw)
+    assert "this GPU is sm_75" in fb_builder.prebuilt_mismatch(m, "c", capability=(7, 5), **kw)
+    assert "torch 2.11.0+cu130" in fb_builder.prebuilt_mismatch(m, "t", capability=None, **kw)
+    assert "Python 3.12" in fb_builder.prebuilt_mismatch(m, "t", capability=None,
+                                                          **{**kw, "torch_version": "2.14.1+cu130"})
+    assert "sources changed" in fb_builder.prebuilt_mismatch(m, "c", capability=(9, 0), **{**kw, "digest": "x"})
+    assert "no module nope" in fb_builder.prebuilt_mismatch(m, "nope", capability=None, **kw)

@@ -11,14 +11,15 @@
 tests/unit/test_mma_emu.py checks the emulated instructions against plain matrix products;
 tests/ops/test_mma_probe_cuda.py runs both builds and requires identical per-lane registers.
 The GPU build reuses the FlashBoB CUDA builder's compatibility rules and nvcc flags, so it
-compiles for the same architectures (TORCH_CUDA_ARCH_LIST, or the visible GPU).
+compiles for the same architectures (TORCH_CUDA_ARCH_LIST, or the visible GPU). Both loaders
+import the objects of benchmarks/gpu/prebuild.sh when they fit (builder.load_with_prebuilt).
 """
 
 from __future__ import annotations
 
 from deepspeed.ops.op_builder.builder import OpBuilder
 
-from .builder import CSRC, FlashBoBCUDABuilder, _ensure_extensions_dir
+from .builder import CSRC, FlashBoBCUDABuilder, _ensure_extensions_dir, load_with_prebuilt
 
 __all__ = ["MmaProbeEmuBuilder", "MmaProbeCUDABuilder", "load_probe_emu", "load_probe_cuda"]
 
@@ -62,7 +63,8 @@ def load_probe_emu():
     """Build (first call only) and return the emulated probe module."""
     if "emu" not in _PROBES:
         _ensure_extensions_dir()
-        _PROBES["emu"] = MmaProbeEmuBuilder().load(verbose=False)
+        _PROBES["emu"] = load_with_prebuilt(MmaProbeEmuBuilder.NAME,
+                                            lambda: MmaProbeEmuBuilder().load(verbose=False), gpu=False)
     return _PROBES["emu"]
 
 
@@ -71,7 +73,12 @@ def load_probe_cuda():
     if "cuda" not in _PROBES:
         _ensure_extensions_dir()
         builder = MmaProbeCUDABuilder()
-        if not builder.is_compatible():
-            raise RuntimeError(f"mma probe cuda build unavailable: {builder.incompatible_reason}")
-        _PROBES["cuda"] = builder.load(verbose=False)
+
+        def jit():
+            if not builder.is_compatible():
+                raise RuntimeError(f"mma probe cuda build unavailable: {builder.incompatible_reason}")
+            return builder.load(verbose=False)
+        from .capi import ProbeLib
+
+        _PROBES["cuda"] = load_with_prebuilt(builder.NAME, jit, gpu=True, capi=ProbeLib)
     return _PROBES["cuda"]

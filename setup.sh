@@ -9,6 +9,16 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PYTHON="${PYTHON:-python3}"
 setup_t0=$(date +%s)
+# bubblewrap: the sandbox of every model-written command (ds_ttt/data/sandbox.py, docs/sandbox.md)
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq bubblewrap
+  else
+    echo "[setup] bwrap not found: install bubblewrap (sudo apt-get install bubblewrap), or run the generator and the" \
+         "serve runner with --no-isolation" >&2
+    exit 1
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check: validate and measure ds_ttt's CUDA path in one unattended run (< 8 minutes wall).
+# GPU check: validate and measure ds_ttt's CUDA path in one unattended run (< 9 minutes wall).
 #
 #   bash benchmarks/gpu_check.sh                      # results in benchmarks/results/gpu/
 #   bash benchmarks/gpu_check.sh --out "$OUT"         # e.g. on the lent device machine (docs/gpu.md)
@@ -7,13 +7,18 @@
 #   bash benchmarks/gpu_check.sh --plan               # print phases and time limits, run nothing
 #   bash benchmarks/gpu_check.sh --help               # every option
 #
-# Phases (each with its own time limit): install what requirements/gpu.txt provides and the check
-# needs (skipping what is present; from .whl/ when that folder holds wheels), build the FlashBoB
-# CUDA op through FlashBoBCUDABuilder, pytest tests/ops, the FlashBoB CUDA benchmark, and one
-# meta-training step of a Qwen3-8B-shaped last pipeline stage at T = 2K / 8K / 16K, the real
-# `deepspeed launch/train.py` on the GPU (one stage, save + --resume), and each PP4 stage timed alone.
+# Phases (each in its own process with its own time limit), ordered by what they tell: install what
+# requirements/gpu.txt provides and the check needs (skipping what is present; from .whl/ when that
+# folder holds wheels); load the FlashBoB op (the C-ABI library of benchmarks/gpu/prebuild.sh when
+# its manifest fits, else JIT; which and how long is recorded); the tensor-core probe against the
+# PTX ISA tables with every lane saved; each launcher's kernels alone at N = 96 under
+# CUDA_LAUNCH_BLOCKING=1, naming the kernel and its first wrong element; compute-sanitizer memcheck,
+# racecheck and synccheck where the image has it (else a recorded skip); pytest tests/ops (a module
+# skipped as a whole fails); the FlashBoB CUDA benchmark with per-kernel profiler times at 8K; one
+# meta-training step of a Qwen3-8B-shaped last pipeline stage at T = 2K / 8K / 16K; the real
+# `deepspeed launch/train.py` on the GPU (one stage, save + --resume); each PP4 stage timed alone.
 # Writes environment.json, setup.json, flashbob_cuda.json, last_stage.json, trainer.json,
-# pipeline_balance_gpu.json, summary.md, gpu_check.log.
+# pipeline_balance_gpu.json, summary.md, gpu_check.log (8 files).
 # Exit 0: every correctness check passed; 1: a check failed; 2: refused (no CUDA GPU visible —
 # nothing is written) or bad arguments. Python: $PYTHON (default python3), >= 3.10.
 # The work is done by benchmarks/gpu/gpu_check.py; see docs/gpu.md.

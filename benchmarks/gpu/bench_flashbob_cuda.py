@@ -2,6 +2,7 @@
 
     python benchmarks/gpu/bench_flashbob_cuda.py --out benchmarks/results/gpu/flashbob_cuda.json
         [--sizes 1024,2048,4096,8192,16384,32768] [--budget-s 90] [--no-flashbob] [--check-n 1024]
+        [--profile-n 8192]
 
 Shapes: bf16, causal, B=1, 32 query heads sharing 8 key/value heads (GQA), head dim 128,
 sequence length N per --sizes. Methods, each timed per N until it runs out of memory or time:
@@ -19,6 +20,17 @@ Per (N, method): step time (median of CUDA-event timings after a warm-up; repeat
 the FLOP model: per query head, forward 4·N²·D, first backward 10·N²·D (flash-attn's 2.5×
 convention), backward-over-backward 36·N²·D (../shared/design/flashbob_math.md), halved for
 causal. Out-of-memory is recorded and that method skips larger N.
+
+Per-kernel times (`kernel_profile` in the JSON): at N = --profile-n (default 8K) the FlashBoB
+second-order step runs under torch.profiler, and the device time of each of the six kernels per
+step is reported with FLOP/s counted two ways, both named:
+    useful_tflops    the model above, 50·N²·D per query head halved for causal (what the
+                     benchmark's rows use; the same numerator for every method);
+    executed_tflops  the GEMMs the kernels issue: per tile pair fwd 2, bwd row 3, bwd col 4,
+                     BoB stats 5, BoB row 9, BoB col 8 (KERNEL_GEMMS, from the kernel source's
+                     header), 2·BM·BN·D FLOPs each, 31 GEMMs = 62·N²·D per head, halved for
+                     causal (the diagonal tiles' masked half, ~BM/N more, is not counted).
+Per kernel only the executed count exists (the useful model has no per-kernel split).
 
 Correctness (the phase fails when one fails): every measured step's outputs are finite, and at
 N = --check-n FlashBoB's o, q̄, k̄, v̄, dŌ are compared with an fp32 PyTorch-math second-order
@@ -55,12 +67,68 @@ from gpu_results import PhaseRecord, positive_ints  # noqa: E402
 FLOP_MODEL = ("per query head: fwd 4·N²·D, bwd 10·N²·D, bwd-over-bwd 36·N²·D; x0.5 causal; "
               "bob step = fwd + bwd + bwd-over-bwd = 50·N²·D, fwd+bwd = 14·N²·D")
 OUTPUT_NAMES = ("o", "q_bar", "k_bar", "v_bar", "do_bar")
+# GEMMs per (row block, column tile) pair that each kernel issues with all three tangents nonzero
+# (flashbob_cuda_kernel.cu header; tests/unit/test_gpu_check.py ties the two together).
+KERNEL_GEMMS = {"fwd_kernel": 2, "bwd_row_kernel": 3, "bwd_col_kernel": 4, "bob_stats_kernel": 5,
+                "bob_row_kernel": 9, "bob_col_kernel": 8}
+USEFUL_PER_STEP = 4 + 10 + 36  # ·N²·D per query head
+EXECUTED_PER_STEP = 2 * sum(KERNEL_GEMMS.values())  # 62 ·N²·D per query head
 TRIPWIRE_REL_ERR = 5e-2
 
 
 def step_flops(kind: str, n: int, *, heads_q: int, head_dim: int, causal: bool = True) -> float:
     per = {"bob": 4 + 10 + 36, "fwd_bwd": 4 + 10}[kind]
     return per * n * n * head_dim * heads_q * (0.5 if causal else 1.0)
+
+
+def kernel_times(events, reps: int) -> dict:
+    """{kernel family: {"ms_per_step", "calls_per_step"}} from torch.profiler's key_averages()
+    (objects with .key, .count and the device time in microseconds), plus "other" for every
+    other device kernel in the step (PyTorch's own elementwise / reduction kernels)."""
+    out = {k: {"ms_per_step": 0.0, "calls_per_step": 0.0} for k in (*KERNEL_GEMMS, "other")}
+    for e in events:
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = getattr(e, "cuda_time_total", 0.0)
+        if not us:
+            continue
+        fam = next((k for k in KERNEL_GEMMS if f"{k}<" in e.key or e.key == k), "other")
+        out[fam]["ms_per_step"] += us / 1e3 / reps
+        out[fam]["calls_per_step"] += e.count / reps
+    return out
+
+
+def kernel_profile(times: dict, *, n: int, heads_q: int, head_dim: int, causal: bool = True) -> dict:
+    """Per-kernel executed TFLOP/s and the step's useful and executed TFLOP/s (both named)."""
+    unit = n * n * head_dim * heads_q * (0.5 if causal else 1.0)
+    kernels, total_ms = {}, 0.0
+    for k, gemms in KERNEL_GEMMS.items():
+        ms = times[k]["ms_per_step"]
+        total_ms += ms
+        kernels[k] = {**times[k], "executed_flop": 2 * gemms * unit,
+                      "executed_tflops": (2 * gemms * unit / (ms / 1e3) / 1e12) if ms > 0 else None}
+    secs = total_ms / 1e3
+    return {"n": n, "kernels": kernels, "other_ms_per_step": times["other"]["ms_per_step"],
+            "flashbob_kernels_ms_per_step": total_ms,
+            "useful_flop": USEFUL_PER_STEP * unit, "executed_flop": EXECUTED_PER_STEP * unit,
+            "useful_tflops": USEFUL_PER_STEP * unit / secs / 1e12 if secs > 0 else None,
+            "executed_tflops": EXECUTED_PER_STEP * unit / secs / 1e12 if secs > 0 else None,
+            "flop_counts": {"useful": f"{USEFUL_PER_STEP}·N²·D per query head, x0.5 causal (the benchmark's model)",
+                            "executed": f"{EXECUTED_PER_STEP}·N²·D per query head, x0.5 causal (GEMMs the kernels "
+                                        "issue: " + ", ".join(f"{k} {g}" for k, g in KERNEL_GEMMS.items()) + ")"}}
+
+
+def profile_step(step, *, reps: int = 3) -> dict:
+    """Run `step` `reps` times under torch.profiler (CUDA activity) after one warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    return kernel_times(prof.key_averages(), reps)
 
 
 def make_inputs(n: int, *, batch: int = 1, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128,
@@ -179,7 +247,7 @@ def time_step(fn, *, device="cuda", target_s: float = 0.3, max_reps: int = 20) -
 
 
 def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: bool = True,
-        check_n: int = 1024, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128, device: str = "cuda",
+        check_n: int = 1024, profile_n: int = 8192, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128, device: str = "cuda",
         flashbob_backend: str = "cuda") -> dict:
     """Measure every (N, method) within `budget_s`; rewrite `out` after each; return the record.
 
@@ -223,6 +291,24 @@ def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: boo
             rec.check(f"FlashBoB second-order step vs fp32 math at N={check_n}", False,
                       f"{type(exc).__name__}: {str(exc)[:500]}")
             methods = [m for m in methods if not m[0].startswith("flashbob")]
+        finally:
+            x = None
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    # Per-kernel device times at profile_n, before the sweep so that they exist even if time runs out.
+    if use_flashbob and cuda and profile_n > 0 and any(m[0] == "flashbob_bob" for m in methods):
+        try:
+            x = make_inputs(profile_n, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, device=device)
+            attn = flashbob_attn(flashbob_backend)
+            times = profile_step(lambda: second_order_step(attn, x))
+            prof = kernel_profile(times, n=profile_n, heads_q=heads_q, head_dim=head_dim)
+            rec.set(kernel_profile=prof)
+            missing = [k for k, v in prof["kernels"].items() if not v["calls_per_step"]]
+            if missing:
+                rec.note(f"profiler at N={profile_n}: no device time recorded for {', '.join(missing)}")
+        except Exception as exc:  # noqa: BLE001 - the sweep below still runs
+            rec.note(f"profiler at N={profile_n} failed: {type(exc).__name__}: {str(exc)[:300]}")
         finally:
             x = None
             gc.collect()
@@ -293,6 +379,7 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=90.0)
     ap.add_argument("--no-flashbob", action="store_true", help="baselines only (the CUDA op did not build)")
     ap.add_argument("--check-n", type=int, default=1024)
+    ap.add_argument("--profile-n", type=int, default=8192, help="per-kernel profiler times at this N (0: off)")
     return ap.parse_args(argv)
 
 
@@ -301,7 +388,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("[flashbob_cuda] no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2
-    data = run(out=a.out, sizes=a.sizes, budget_s=a.budget_s, use_flashbob=not a.no_flashbob, check_n=a.check_n)
+    data = run(out=a.out, sizes=a.sizes, budget_s=a.budget_s, use_flashbob=not a.no_flashbob, check_n=a.check_n,
+               profile_n=a.profile_n)
+    prof = data.get("kernel_profile")
+    if prof:
+        for k, v in prof["kernels"].items():
+            print(f"[flashbob_cuda] N={prof['n']} {k:<17} {v['ms_per_step']:.2f} ms/step, executed "
+                  f"{v['executed_tflops'] or 0:.1f} TFLOP/s", flush=True)
+        print(f"[flashbob_cuda] N={prof['n']} six kernels {prof['flashbob_kernels_ms_per_step']:.2f} ms/step: useful "
+              f"{prof['useful_tflops'] or 0:.1f} TFLOP/s (50·N²·D), executed {prof['executed_tflops'] or 0:.1f} "
+              f"TFLOP/s (62·N²·D)", flush=True)
     for r in data["rows"]:
         t = r.get("time_s")
         print(f"[flashbob_cuda] N={r['n']:>6} {r['method']:<20} {r.get('status')}"

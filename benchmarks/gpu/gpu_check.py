@@ -1,29 +1,45 @@
 """The GPU check: validate and measure the CUDA path in one unattended run (stdlib only).
 
-    bash benchmarks/gpu_check.sh [--out DIR] [--wheels DIR] [--phases install,build,tests,flashbob,last_stage,trainer,balance]
-                                 [--total-s 450] [--budget PHASE=SECONDS ...] [--quick] [--plan]
+    bash benchmarks/gpu_check.sh [--out DIR] [--wheels DIR]
+                                 [--phases install,build,probe,kernels,sanitizer,tests,flashbob,last_stage,trainer,balance]
+                                 [--total-s 510] [--budget PHASE=SECONDS ...] [--quick] [--plan]
 
 (benchmarks/gpu_check.sh runs this file with $PYTHON, default python3.) Phases, each in its own
-subprocess with its own time limit, so one slow phase cannot eat the whole window:
+subprocess with its own time limit, so one slow phase cannot eat the whole window, ordered by
+what they tell: first the cheap diagnoses that pin a failure on one instruction or one kernel,
+each in a fresh process that writes its result before the next starts (a fault poisons only the
+CUDA context of its own process), then tests, speed, the last stage and the trainer:
 
   install     what the check needs from requirements/gpu.txt (torch with CUDA, deepspeed,
               transformers, safetensors, ninja, numpy, pytest), skipping what is already installed;
               with --wheels DIR only from that folder (machines without a package index), else from
               the index. flash-attn only as a ready wheel (DIR or the index), otherwise it is noted
               as missing and the benchmark uses PyTorch's own FlashAttention-2 kernel instead.
-  build       FlashBoB's CUDA op through FlashBoBCUDABuilder (benchmarks/gpu/build_flashbob.py).
-  tests       python -m pytest tests/ops (the CUDA correctness tests).
+  build       load the FlashBoB CUDA op (benchmarks/gpu/build_flashbob.py): the objects prebuilt on the
+              CPU machine (bash benchmarks/gpu/prebuild.sh; benchmarks/gpu/prebuilt/) when their
+              manifest fits this torch/Python/GPU and the sources, else JIT through
+              FlashBoBCUDABuilder; records which path, why, and how long it took.
+  probe       benchmarks/gpu/first_contact.py probe: ldmatrix / mma.sync / cp.async / packing on the
+              GPU against the PTX ISA tables, every lane of every case saved.
+  kernels     first_contact.py kernels, once per launcher (fwd; bwd; bwd_bwd) in its own process
+              under CUDA_LAUNCH_BLOCKING=1 at N = 96: the six kernels, each output against float64,
+              naming the kernel and its first wrong element.
+  sanitizer   compute-sanitizer memcheck, racecheck, synccheck on the three launchers at N = 96
+              (one shape), where the image has compute-sanitizer; otherwise a recorded skip.
+  tests       python -m pytest tests/ops (the CUDA correctness tests); a test module that is
+              skipped as a whole (or absent from the report) fails this phase.
   flashbob    benchmarks/gpu/bench_flashbob_cuda.py: second-order step vs flash-attn vs PyTorch math.
   last_stage  benchmarks/gpu/bench_last_stage.py: Qwen3-8B last-stage meta-training step, T = 2K/8K/16K.
   trainer     benchmarks/gpu/bench_trainer.py: the real `deepspeed launch/train.py`, one stage, Qwen3-8B
               shape (36 layers or the most that fit), T = 8K then 4K, AdamW steps, save and --resume.
   balance     benchmarks/gpu/bench_balance.py: pipeline_balance.py --device cuda, each PP4 stage timed.
 
-Results: DIR (default benchmarks/results/gpu) gets environment.json, setup.json, flashbob_cuda.json,
-last_stage.json, trainer.json, pipeline_balance_gpu.json, summary.md and gpu_check.log, rewritten as the
+Results: DIR (default benchmarks/results/gpu) gets environment.json, setup.json (install, build,
+probe, kernels, sanitizer, tests: the first contact), flashbob_cuda.json, last_stage.json,
+trainer.json, pipeline_balance_gpu.json, summary.md and gpu_check.log (8 files), rewritten as the
 phases progress; results of an earlier run in DIR are removed first (README.md stays).
 
-Time: --total-s (default 450 s, inside an 8-minute window) is the whole run; a phase's limit is
+Time: --total-s (default 510 s, inside a 9-minute window) is the whole run; a phase's limit is
 min(its own budget, what is left after reserving the minimum of every later phase). A phase
 killed at its limit keeps the rows it finished; trainer and balance are skipped (their file says
 why) when less than their minimum is left. Exit status: 0 every correctness check passed;
@@ -59,12 +75,22 @@ if str(HERE) not in sys.path:
 from gpu_results import (PhaseRecord, RESULT_FILES, failed_checks, read_json, write_json_atomic,  # noqa: E402
                          write_summary)
 
-PHASES = ("install", "build", "tests", "flashbob", "last_stage", "trainer", "balance")
-# Upper limit of each phase, and the minimum each later phase keeps reserved (seconds).
-BUDGETS = {"install": 240.0, "build": 240.0, "tests": 150.0, "flashbob": 90.0, "last_stage": 150.0,
-           "trainer": 240.0, "balance": 90.0}
-MINIMUMS = {"install": 20.0, "build": 60.0, "tests": 30.0, "flashbob": 45.0, "last_stage": 60.0,
-            "trainer": 120.0, "balance": 45.0}
+PHASES = ("install", "build", "probe", "kernels", "sanitizer", "tests", "flashbob", "last_stage", "trainer",
+          "balance")
+# Upper limit of each phase, and the minimum each later phase keeps reserved (seconds). The build
+# minimum covers loading the prebuilt objects; a JIT fallback takes 45-90 s more.
+BUDGETS = {"install": 240.0, "build": 240.0, "probe": 60.0, "kernels": 90.0, "sanitizer": 90.0,
+           "tests": 150.0, "flashbob": 90.0, "last_stage": 150.0, "trainer": 240.0, "balance": 90.0}
+MINIMUMS = {"install": 20.0, "build": 30.0, "probe": 15.0, "kernels": 30.0, "sanitizer": 20.0, "tests": 30.0,
+            "flashbob": 45.0, "last_stage": 60.0, "trainer": 120.0, "balance": 45.0}
+FIRST_CONTACT = ("probe", "kernels", "sanitizer")  # need the op (or the probe) and a GPU, write setup.json
+LAUNCHERS = ("fwd", "bwd", "bwd_bwd")
+# The kernels each launcher enqueues, in order (first_contact.KERNEL_OUTPUTS, which needs torch;
+# this file is stdlib only; tests/unit/test_gpu_check.py keeps the two equal).
+LAUNCHER_KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("bwd_row_kernel", "bwd_col_kernel"),
+                    "bwd_bwd": ("bob_stats_kernel", "bob_row_kernel", "bob_col_kernel")}
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+SANITIZER_N = 96
 # Phases that write their own result file; below their minimum they are skipped with the reason in it.
 BENCH_FILES = {"flashbob": "flashbob_cuda.json", "last_stage": "last_stage.json", "trainer": "trainer.json",
                "balance": "pipeline_balance_gpu.json"}
@@ -112,7 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--wheels", default=None,
                     help="install missing packages only from this folder of wheels (default: .whl/ when it exists)")
     ap.add_argument("--phases", type=_phase_list, default=list(PHASES), help=f"subset of {','.join(PHASES)}")
-    ap.add_argument("--total-s", type=float, default=450.0, help="time for the whole run (default %(default)s)")
+    ap.add_argument("--total-s", type=float, default=510.0, help="time for the whole run (default %(default)s)")
     ap.add_argument("--budget", type=_budget, action="append", default=[], metavar="PHASE=SECONDS",
                     help="upper time limit of one phase (repeatable)")
     ap.add_argument("--quick", action="store_true", help="smoke run: N in {1K, 4K}, T = 2K, one repeat")
@@ -381,13 +407,23 @@ def phase_build(ctx: "Context", timeout: float) -> bool:
     ok = bool(result.get("ok")) and not r["timed_out"]
     if not ok and "error" not in result:
         result["error"] = last_lines(r["tail"], 5)
+    load = result.get("load") or {}
+    result["path"] = load.get("path")  # "prebuilt" or "jit": the record of which one this run used
     ctx.setup.set(build=result)
-    ctx.setup.check("build: FlashBoB CUDA op compiles and loads through FlashBoBCUDABuilder", ok,
-                    f"{r['seconds']:.0f} s" if ok else last_lines(str(result.get("error")), 5)[-1500:])
+    if ok:
+        detail = f"{load.get('path')} in {load.get('seconds', r['seconds'])} s"
+        if load.get("path") == "jit":
+            detail += f" (prebuilt objects not used: {load.get('prebuilt_skipped')})"
+    else:
+        detail = last_lines(str(result.get("error")), 5)[-1500:]
+    ctx.setup.check("build: FlashBoB CUDA op loads (prebuilt objects, else JIT through FlashBoBCUDABuilder)", ok,
+                    detail)
     return ok
 
 
-def parse_junit(path: Path) -> dict | None:
+def parse_junit(path: Path, modules: list[str] = ()) -> dict | None:
+    """pytest's JUnit XML as counts, failed test names, and per module in `modules` (file stems like
+    "test_flashbob_cuda") its passed/skipped counts and the first skip reason."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
@@ -395,9 +431,30 @@ def parse_junit(path: Path) -> dict | None:
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
     counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    counts["failed_names"] = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
+    cases = [c for s in suites for c in s.iter("testcase")]
+    counts["failed_names"] = [f"{c.get('classname')}::{c.get('name')}" for c in cases
                               if c.find("failure") is not None or c.find("error") is not None][:20]
+    per = {}
+    for m in modules:
+        mine = [c for c in cases if m in re.split(r"[./:]", f"{c.get('classname', '')}.{c.get('name', '')}")]
+        skipped = [c for c in mine if c.find("skipped") is not None]
+        bad = [c for c in mine if c.find("failure") is not None or c.find("error") is not None]
+        reason = next((c.find("skipped").get("message", "") for c in skipped), "")
+        per[m] = {"tests": len(mine), "passed": len(mine) - len(skipped) - len(bad), "skipped": len(skipped),
+                  "skip_reason": reason[:300]}
+    counts["modules"] = per
     return counts
+
+
+def skipped_modules(counts: dict) -> list[str]:
+    """'module: why' for every expected test module that passed nothing (skipped whole, or absent)."""
+    out = []
+    for m, c in (counts.get("modules") or {}).items():
+        if c["tests"] == 0:
+            out.append(f"{m}: not in the report (not collected)")
+        elif c["passed"] == 0 and c["skipped"] == c["tests"]:
+            out.append(f"{m}: all {c['tests']} skipped ({c['skip_reason'] or 'no reason given'})")
+    return out
 
 
 def phase_tests(ctx: "Context", timeout: float) -> None:
@@ -405,7 +462,8 @@ def phase_tests(ctx: "Context", timeout: float) -> None:
     cmd = [ctx.python, "-m", "pytest", "tests/ops", "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     ctx.log(f"[tests] {' '.join(cmd)}")
     r = run_child(cmd, timeout=timeout, log=ctx.log, env=ctx.child_env(), prefix="[pytest] ")
-    counts = parse_junit(junit) or {}
+    modules = sorted(p.stem for p in (REPO / "tests" / "ops").glob("test_*.py"))
+    counts = parse_junit(junit, modules) or {}
     result = {"command": " ".join(cmd[1:]), "rc": r["rc"], "timed_out": r["timed_out"], "seconds": r["seconds"], **counts}
     ctx.setup.set(tests=result)
     if r["timed_out"]:
@@ -414,6 +472,10 @@ def phase_tests(ctx: "Context", timeout: float) -> None:
         ok, detail = False, "no tests collected in tests/ops"
     elif counts.get("passed", 0) == 0:
         ok, detail = False, f"every test was skipped ({counts.get('skipped')}): {last_lines(r['tail'], 4)}"
+    elif skipped_modules(counts):
+        ok = False
+        detail = ("a skipped test module fails this phase: " + "; ".join(skipped_modules(counts))
+                  + f" ({counts.get('passed')} passed elsewhere)")
     else:
         ok = r["rc"] == 0 and counts.get("failures", 0) == 0 and counts.get("errors", 0) == 0
         detail = (f"{counts.get('passed')} passed, {counts.get('failures')} failed, {counts.get('errors')} errors, "
@@ -421,6 +483,105 @@ def phase_tests(ctx: "Context", timeout: float) -> None:
         if counts.get("failed_names"):
             detail += "; failed: " + ", ".join(counts["failed_names"])
     ctx.setup.check("tests/ops: CUDA correctness tests pass", ok, detail)
+
+
+def phase_probe(ctx: "Context", timeout: float) -> None:
+    """The tensor-core probe in its own process; every lane of every case goes to setup.json."""
+    out = ctx.tmp / "probe.json"
+    r = run_child([ctx.python, str(HERE / "first_contact.py"), "probe", "--out", str(out)], timeout=timeout,
+                  log=ctx.log, env=ctx.child_env(), prefix="")
+    data = read_json(out) or {}
+    data.update(rc=r["rc"], timed_out=r["timed_out"], wall_s=r["seconds"])
+    ok = bool(data.get("ok")) and r["rc"] == 0
+    detail = data.get("summary") or ("timed out" if r["timed_out"] else f"exit {r['rc']}: {last_lines(r['tail'])}")
+    if not data.get("summary") and data.get("cases"):
+        detail += f" (after {len(data['cases'])} cases; the last one is where it stopped)"
+    ctx.setup.set(probe=data)
+    ctx.setup.check("probe: ldmatrix, mma.sync, cp.async and packing on the GPU match the PTX ISA tables, lane by "
+                    "lane", ok, detail)
+
+
+def phase_kernels(ctx: "Context", timeout: float) -> None:
+    """Each launcher in its own process under CUDA_LAUNCH_BLOCKING=1; one check per kernel."""
+    deadline = time.monotonic() + timeout
+    env = {**ctx.child_env(), "CUDA_LAUNCH_BLOCKING": "1"}
+    results = {}
+    for i, launcher in enumerate(LAUNCHERS):
+        out = ctx.tmp / f"kernels_{launcher}.json"
+        left = deadline - time.monotonic()
+        r = run_child([ctx.python, str(HERE / "first_contact.py"), "kernels", "--launcher", launcher, "--n",
+                       str(SANITIZER_N), "--out", str(out)], timeout=max(5.0, left / (len(LAUNCHERS) - i)),
+                      log=ctx.log, env=env, prefix="")
+        data = read_json(out) or {}
+        data.update(rc=r["rc"], timed_out=r["timed_out"], wall_s=r["seconds"])
+        results[launcher] = data
+        ctx.setup.set(kernels=results)
+        for kernel in LAUNCHER_KERNELS[launcher]:
+            verdicts = [c.get("kernels", {}).get(kernel) for c in data.get("cases", [])]
+            reached = [v for v in verdicts if v is not None]
+            if data.get("ok"):
+                ok, detail = True, f"{len(verdicts)} shapes at N={SANITIZER_N} match float64 (CUDA_LAUNCH_BLOCKING=1)"
+            elif reached and len(reached) == len(verdicts) and all(v["ok"] for v in reached):
+                ok, detail = True, "its outputs match; another kernel of this launcher failed"
+            else:
+                ok = False
+                detail = data.get("summary") or ("timed out" if r["timed_out"] else
+                                                 f"exit {r['rc']} before a result: {last_lines(r['tail'])}")
+                if not reached:
+                    detail = f"not reached: {detail}"
+            ctx.setup.check(f"kernels: {kernel} alone at N={SANITIZER_N}", ok, detail[:1500])
+
+
+def find_sanitizer(env: dict) -> str | None:
+    exe = shutil.which("compute-sanitizer", path=env.get("PATH"))
+    if exe:
+        return exe
+    for root in (env.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and Path(root, "bin", "compute-sanitizer").exists():
+            return str(Path(root, "bin", "compute-sanitizer"))
+    return None
+
+
+def sanitizer_findings(text: str) -> dict:
+    """The error count of compute-sanitizer's summary line and its first report lines."""
+    m = re.findall(r"=+\s*ERROR SUMMARY:\s*(\d+)\s+error", text)
+    lines = [ln.strip() for ln in text.splitlines() if ln.lstrip().startswith("=====") and "ERROR SUMMARY" not in ln]
+    return {"errors": int(m[-1]) if m else None, "first_lines": lines[:40]}
+
+
+def phase_sanitizer(ctx: "Context", timeout: float) -> None:
+    """compute-sanitizer's three tools over the launchers at N = 96; a recorded skip without it."""
+    env = ctx.child_env()
+    exe = find_sanitizer(env)
+    if exe is None:
+        ctx.setup.set(sanitizer={"skipped": "compute-sanitizer is not in this image (not on PATH, not in "
+                                            f"{env.get('CUDA_HOME') or '/usr/local/cuda'}/bin)"})
+        ctx.setup.note("sanitizer: skipped, compute-sanitizer is not in this image")
+        ctx.log("[sanitizer] skipped: compute-sanitizer not found")
+        return
+    deadline = time.monotonic() + timeout
+    results = {"executable": exe, "n": SANITIZER_N}
+    for i, tool in enumerate(SANITIZER_TOOLS):
+        left = deadline - time.monotonic()
+        out = ctx.tmp / f"sanitizer_{tool}.json"
+        # Without the caching allocator every tensor is its own allocation, so memcheck sees
+        # overruns that would otherwise land inside a pooled block.
+        tenv = {**env, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+        cmd = [exe, "--tool", tool, "--error-exitcode", "9", "--print-limit", "20", ctx.python,
+               str(HERE / "first_contact.py"), "kernels", "--launcher", "all", "--first-case-only",
+               "--n", str(SANITIZER_N), "--out", str(out)]
+        r = run_child(cmd, timeout=max(5.0, left / (len(SANITIZER_TOOLS) - i)), log=ctx.log, env=tenv,
+                      prefix=f"[{tool}] ")
+        found = sanitizer_findings(r["tail"])
+        results[tool] = {"rc": r["rc"], "timed_out": r["timed_out"], "seconds": r["seconds"], **found}
+        ctx.setup.set(sanitizer=results)
+        if r["timed_out"]:
+            ok, detail = False, f"timed out after {r['seconds']:.0f} s"
+        else:
+            ok = r["rc"] == 0 and found["errors"] in (0, None)
+            detail = (f"{found['errors']} errors" if found["errors"] is not None else f"exit {r['rc']}") + \
+                (": " + " | ".join(found["first_lines"][:6]) if not ok else f" in {r['seconds']:.0f} s")
+        ctx.setup.check(f"sanitizer: {tool} on fwd, bwd, bwd_bwd at N={SANITIZER_N}", ok, detail[:1500])
 
 
 def skip_phase(ctx: "Context", phase: str, reason: str) -> None:
@@ -600,7 +761,7 @@ def main(argv=None) -> int:
             if seconds < min(MINIMUMS[p], 10.0):
                 log(f"[gpu_check] phase {p}: skipped, no time left")
                 phase_times[p] = {"status": "skipped (no time left)"}
-                if p in ("install", "build", "tests"):
+                if p in ("install", "build", "tests") + FIRST_CONTACT:
                     ctx.setup.check(f"{p}: ran", False, "skipped: no time left in the run")
                 continue
             announce(p, seconds)
@@ -617,6 +778,11 @@ def main(argv=None) -> int:
                     break
             if p == "build":
                 built = phase_build(ctx, seconds)
+            elif p in FIRST_CONTACT:
+                if p != "probe" and "build" in args.phases and not built:
+                    ctx.setup.check(f"{p}: ran", False, "not run: the CUDA op did not build")
+                else:
+                    {"probe": phase_probe, "kernels": phase_kernels, "sanitizer": phase_sanitizer}[p](ctx, seconds)
             elif p == "tests":
                 if "build" in args.phases and not built:
                     ctx.setup.check("tests/ops: CUDA correctness tests pass", False, "not run: the CUDA op did not build")
@@ -644,7 +810,8 @@ def main(argv=None) -> int:
             phase_times[p] = {"status": "ran", "seconds": round(time.monotonic() - start, 1), "limit_s": round(seconds)}
         ctx.setup.set(phase_times=phase_times)
         ctx.setup.finish("failed" if any(not c["ok"] for c in ctx.setup.data["checks"]) else "ok",
-                         sum(v.get("seconds", 0) for k, v in phase_times.items() if k in ("install", "build", "tests")))
+                         sum(v.get("seconds", 0) for k, v in phase_times.items()
+                             if k in ("install", "build", "tests") + FIRST_CONTACT))
     finally:
         fails = failed_checks(out)
         total = round(time.monotonic() - t0, 1)

@@ -4,8 +4,13 @@ Every phase of `benchmarks/gpu_check.sh` leaves one JSON file in the results fol
 (default benchmarks/results/gpu/):
 
     environment.json     GPU name, driver, Python / torch / CUDA / nvcc / deepspeed / flash-attn versions
-    setup.json           install, FlashBoB CUDA build, tests/ops (pytest counts)
-    flashbob_cuda.json   FlashBoB second-order step vs flash-attn fwd+bwd vs PyTorch math, N = 1K..32K
+    setup.json           the first contact: install; build (prebuilt or JIT, why, seconds); the
+                         tensor-core probe with every lane of every case; the six kernels alone
+                         under CUDA_LAUNCH_BLOCKING=1 (first wrong element); compute-sanitizer
+                         memcheck / racecheck / synccheck (or why skipped); tests/ops (pytest
+                         counts per module: a module skipped as a whole fails)
+    flashbob_cuda.json   FlashBoB second-order step vs flash-attn fwd+bwd vs PyTorch math, N = 1K..32K,
+                         and per-kernel profiler times at 8K (useful and executed FLOP/s)
     last_stage.json      one meta-training step of the Qwen3-8B last pipeline stage, T = 2K / 8K / 16K
     trainer.json         deepspeed launch/train.py on the GPU (one stage): tokens/s, step time, memory
                          split, loss, save + --resume equality, the layer count that fitted
@@ -194,7 +199,7 @@ def render_summary(results_dir: str | os.PathLike) -> str:
     ])
     lines += ["", "## Phases", ""]
     phase_rows = []
-    for label, data in (("setup (install, build, tests/ops)", setup), ("FlashBoB CUDA benchmark", fb),
+    for label, data in (("setup (install, build, probe, kernels, sanitizer, tests/ops)", setup), ("FlashBoB CUDA benchmark", fb),
                         ("last-stage meta-training step", ls), ("trainer (deepspeed launch/train.py)", tr),
                         ("PP4 stage balance", pb)):
         phase_rows.append([label, _status_of(label, data), _fmt((data or {}).get("elapsed_s"))])
@@ -209,6 +214,28 @@ def render_summary(results_dir: str | os.PathLike) -> str:
     if fails:
         lines += ["", f"{len(fails)} check(s) failed."]
 
+    build = (setup or {}).get("build") or {}
+    if build:
+        load = build.get("load") or {}
+        lines += ["", "## First contact", "",
+                  f"FlashBoB op loaded: {load.get('path', 'no')} in {_fmt(load.get('seconds'))} s"
+                  + (f" (prebuilt objects not used: {load.get('prebuilt_skipped')})" if load.get("path") == "jit" else "")
+                  + ". Probe, kernel and sanitizer results are the checks above; every probe lane is in setup.json."]
+        san = (setup or {}).get("sanitizer") or {}
+        if san.get("skipped"):
+            lines += ["", f"compute-sanitizer: skipped ({san['skipped']})."]
+    prof = (fb or {}).get("kernel_profile")
+    if prof:
+        lines += ["", f"## FlashBoB kernels at N={prof.get('n')} (torch.profiler device time per step)", "",
+                  "executed TFLOP/s counts the GEMMs each kernel issues; the step's useful TFLOP/s uses the "
+                  "benchmark's model. " + "; ".join(f"{k}: {v}" for k, v in (prof.get("flop_counts") or {}).items()),
+                  ""]
+        rows = [[k, _fmt(v.get("ms_per_step")), _fmt(v.get("calls_per_step")), _fmt(v.get("executed_tflops"))]
+                for k, v in prof.get("kernels", {}).items()]
+        rows.append(["six kernels", _fmt(prof.get("flashbob_kernels_ms_per_step")), "–",
+                     f"{_fmt(prof.get('executed_tflops'))} executed, {_fmt(prof.get('useful_tflops'))} useful"])
+        rows.append(["other kernels", _fmt(prof.get("other_ms_per_step")), "–", "–"])
+        lines += _table(["kernel", "ms/step", "calls/step", "TFLOP/s"], rows)
     if fb and fb.get("rows"):
         cfg = fb.get("config", {})
         where = "" if cfg.get("device", "cuda") == "cuda" else f" (device {cfg.get('device')}: not a GPU run)"

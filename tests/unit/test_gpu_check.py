@@ -1,7 +1,11 @@
 """The GPU check's CPU-testable parts: clean refusal without CUDA, arguments and time limits,
 process-group timeouts that keep partial results, the result writer and summary, and the
 benchmark step functions on tiny CPU shapes (reference backend vs PyTorch math; the last-stage
-meta-training step with the reference backend).
+meta-training step with the reference backend). The first contact (probe, kernels alone,
+sanitizer; benchmarks/gpu/first_contact.py) runs on the CPU emulator's builds as the "GPU", also
+with a corrupted lane / element / a fault, and its phases with fake child processes; the tests
+phase must fail on a module skipped as a whole; the per-kernel profiler accounting, the FLOP
+counts and the resource-usage table generated from the committed cuobjdump log are checked here.
 
     .venv/bin/python -m pytest tests/unit/test_gpu_check.py -q
 """
@@ -114,7 +118,8 @@ def test_phase_limits_keep_later_minimums_and_fit_the_window():
         assert used <= total - gpu_check.SUMMARY_RESERVE_S + 1e-9
     # A slow build cannot take the benchmarks' reserved minimum.
     later = sum(gpu_check.MINIMUMS[p] for p in phases[phases.index("build") + 1:]) + gpu_check.SUMMARY_RESERVE_S
-    assert set(phases[phases.index("build") + 1:]) == {"tests", "flashbob", "last_stage", "trainer", "balance"}
+    assert phases[phases.index("build") + 1:] == ["probe", "kernels", "sanitizer", "tests", "flashbob", "last_stage",
+                                                  "trainer", "balance"]
     assert gpu_check.phase_limit("build", phases, 450.0, {**budgets, "build": 1e9}) == 450.0 - later
     # every phase's minimum fits the default run
     assert sum(gpu_check.MINIMUMS.values()) + gpu_check.SUMMARY_RESERVE_S < gpu_check.parse_args([]).total_s
@@ -442,3 +447,302 @@ def test_last_stage_of_qwen3_8b_shape_builds_on_the_meta_device():
     assert trainable == 9 * (3 * 4096 * 12288 + 4096)  # prime MLPs + prime norms
     total = sum(p.numel() for layer in suffix.layers for p in layer.parameters()) + suffix.lm_head.weight.numel()
     assert 3.7e9 < total + 4096 < 3.8e9  # ~7.4 GB of bf16 weights on the GPU
+
+
+# ---- first contact: probe, kernels alone, sanitizer ---------------------------------------------------
+
+import first_contact as fc  # noqa: E402
+import resource_table as rt  # noqa: E402
+
+
+class _CorruptProbe:
+    """The emulator's probe with one register of one case flipped: what a wrong GPU lane looks like."""
+
+    def __init__(self, inner, case_nthreads, flat_index):
+        self.inner, self.device, self.nthreads, self.flat = inner, inner.device, case_nthreads, flat_index
+        self.hit = False
+
+    def run_case(self, case):
+        u, f = self.inner.run_case(case)
+        if not self.hit and case.op == 0 and u.numel() > self.flat:  # the first ldmatrix case
+            u = u.clone()
+            u[self.flat] ^= 1
+            self.hit = True
+        return u, f
+
+
+@pytest.fixture(scope="module")
+def emu_probe():
+    from ds_ttt.ops.flashbob.probe_builder import load_probe_emu
+    from tests.unit import mma_probe_cases as mc
+
+    return mc.Probe(load_probe_emu(), "cpu")
+
+
+def test_probe_saves_every_lane_and_passes_on_the_emulator(emu_probe, tmp_path):
+    rep = fc.run_probe(emu_probe, tmp_path / "probe.json")
+    assert rep["ok"], rep["summary"]
+    names = [c["name"] for c in rep["cases"]]
+    assert len(names) == 12 + 6 + 4 + 2 and names[0] == "ldmatrix_x1_seed0"  # as tests/ops/test_mma_probe_cuda.py
+    for c in rep["cases"]:  # every lane of every case is in the file
+        assert len(c["got_u"]) + len(c["got_f"]) > 0 and c["num_mismatches"] == 0
+    assert json.loads((tmp_path / "probe.json").read_text())["cases"][5]["got_u"] == rep["cases"][5]["got_u"]
+
+
+def test_probe_names_the_case_lane_and_register_of_a_wrong_value(emu_probe, tmp_path):
+    lane, reg = 13, 0  # warp 0: flat index = lane * 4 + register
+    rep = fc.run_probe(_CorruptProbe(emu_probe, 64, lane * 4 + reg), tmp_path / "probe.json")
+    assert not rep["ok"]
+    bad = [c for c in rep["cases"] if not c["ok"]]
+    assert [c["name"] for c in bad] == ["ldmatrix_x1_seed0"] and bad[0]["num_mismatches"] == 1
+    m = bad[0]["mismatches"][0]
+    assert (m["warp"], m["lane"], m["register"]) == (0, lane, reg) and m["got"] == m["expected"] ^ 1
+    assert "ldmatrix_x1_seed0: 1 wrong, first at warp 0 lane 13 reg 0" in rep["summary"]
+
+
+def test_probe_stops_at_a_fault_and_says_where(emu_probe, tmp_path):
+    class Faulting:
+        device = "cpu"
+
+        def run_case(self, case):
+            if case.op == 1:
+                raise RuntimeError("mma probe launch failed: an illegal memory access was encountered")
+            return emu_probe.run_case(case)
+    rep = fc.run_probe(Faulting(), tmp_path / "probe.json")
+    assert not rep["ok"] and "illegal memory access" in rep["cases"][-1]["error"]
+    assert rep["cases"][-1]["name"] == "mma_exact_bf16_d_new" and "later cases not run" in rep["error"]
+
+
+@pytest.fixture(scope="module")
+def emu_op():
+    from ds_ttt.ops.flashbob.builder import load_cuda_emu_op
+
+    return load_cuda_emu_op()
+
+
+SMALL = [("gqa_window_d64_bf16", 1, 2, 1, None, 64, torch.bfloat16, dict(causal=True, window=20))]
+
+
+@pytest.mark.parametrize("launcher", ["fwd", "bwd", "bwd_bwd"])
+def test_each_launcher_alone_passes_on_the_emulated_kernels(emu_op, launcher, tmp_path):
+    rep = fc.run_launcher(emu_op, launcher, n=40, device="cpu", out=tmp_path / "k.json", cases=SMALL)
+    assert rep["ok"], rep["summary"]
+    assert list(rep["cases"][0]["kernels"]) == [k for k, _ in fc.KERNEL_OUTPUTS[launcher]]
+
+
+class _Wrong:
+    """The emulated op with one output element changed, or a launch that faults in a named kernel."""
+
+    def __init__(self, inner, *, bump=None, fault=None):
+        self.inner, self.bump, self.fault = inner, bump, fault
+
+    def fwd(self, *a):
+        return self.inner.fwd(*a)
+
+    def bwd(self, *a):
+        return self.inner.bwd(*a)
+
+    def bwd_bwd(self, *a):
+        if self.fault:
+            raise RuntimeError(f"flashbob cuda bwd_bwd failed in {self.fault}: an illegal memory access")
+        out = list(self.inner.bwd_bwd(*a))
+        if self.bump is not None:
+            i, idx = self.bump
+            out[i] = out[i].clone()
+            out[i][idx] += 10.0
+        return out
+
+
+def test_a_wrong_output_names_its_kernel_and_first_wrong_element(emu_op):
+    rep = fc.run_launcher(_Wrong(emu_op, bump=(0, (0, 1, 7, 3))), "bwd_bwd", n=40, device="cpu", cases=SMALL)
+    ks = rep["cases"][0]["kernels"]
+    assert not rep["ok"] and ks["bob_stats_kernel"]["ok"] and ks["bob_col_kernel"]["ok"]
+    qbar = ks["bob_row_kernel"]["outputs"][0]
+    assert qbar["output"] == "qbar" and not qbar["ok"] and qbar["first_wrong"]["index"] == [0, 1, 7, 3]
+    assert "bob_row_kernel" in rep["summary"] and "qbar[0, 1, 7, 3]" in rep["summary"]
+
+
+def test_a_fault_is_pinned_on_the_kernel_the_binding_names(emu_op):
+    rep = fc.run_launcher(_Wrong(emu_op, fault="bob_col_kernel"), "bwd_bwd", n=40, device="cpu", cases=SMALL)
+    v = rep["cases"][0]["kernels"]["bob_col_kernel"]
+    assert not rep["ok"] and v["named_by"] == "the binding" and "illegal memory access" in v["error"]
+    assert list(rep["cases"][0]["kernels"]) == ["bob_col_kernel"]
+
+
+def _fake_children(monkeypatch, writer):
+    """run_child that records (cmd, env) and lets `writer` produce the child's output file and result."""
+    calls = []
+
+    def fake(cmd, *, timeout, log, env=None, cwd=None, prefix=""):
+        calls.append((cmd, env or {}))
+        return {"rc": 0, "timed_out": False, "seconds": 0.1, "tail": "", **(writer(cmd) or {})}
+    monkeypatch.setattr(gpu_check, "run_child", fake)
+    return calls
+
+
+def test_kernels_phase_runs_each_launcher_in_its_own_blocking_process(tmp_path, monkeypatch):
+    ctx = _context(tmp_path)
+
+    def writer(cmd):
+        launcher, out = cmd[cmd.index("--launcher") + 1], Path(cmd[cmd.index("--out") + 1])
+        ok = launcher != "bwd"
+        kernels = {k: {"ok": ok or k == "bwd_row_kernel", "outputs": []} for k, _ in fc.KERNEL_OUTPUTS[launcher]}
+        out.write_text(json.dumps({"ok": ok, "cases": [{"case": "c", "kernels": kernels}],
+                                   "summary": "" if ok else "bwd_col_kernel (c): dk max err 1 > tol 0.1; first wrong dk[0, 0, 5, 2]"}))
+        return {"rc": 0 if ok else 1}
+    calls = _fake_children(monkeypatch, writer)
+    gpu_check.phase_kernels(ctx, 60)
+    assert [c[0][c[0].index("--launcher") + 1] for c in calls] == ["fwd", "bwd", "bwd_bwd"]
+    assert all(env.get("CUDA_LAUNCH_BLOCKING") == "1" for _, env in calls)
+    checks = {c["name"]: c for c in ctx.setup.data["checks"]}
+    assert len(checks) == 6 and all(k in " ".join(checks) for k in fc.KERNELS)
+    bad = [c for c in checks.values() if not c["ok"]]
+    assert [c["name"] for c in bad] == ["kernels: bwd_col_kernel alone at N=96"] and "dk[0, 0, 5, 2]" in bad[0]["detail"]
+
+
+def test_probe_phase_writes_the_lanes_into_setup_json(tmp_path, monkeypatch):
+    ctx = _context(tmp_path)
+
+    def writer(cmd):
+        Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(
+            {"ok": False, "cases": [{"name": "mma_exact_bf16_d_new", "ok": False, "got_f": [1.0] * 256}],
+             "summary": "1 of 1 probe cases wrong: mma_exact_bf16_d_new: 3 wrong, first at warp 1 lane 4 reg 2"}))
+        return {"rc": 1}
+    calls = _fake_children(monkeypatch, writer)
+    gpu_check.phase_probe(ctx, 30)
+    assert calls[0][0][2] == "probe"
+    setup = json.loads((ctx.out / "setup.json").read_text())
+    assert len(setup["probe"]["cases"][0]["got_f"]) == 256
+    assert not setup["checks"][0]["ok"] and "warp 1 lane 4 reg 2" in setup["checks"][0]["detail"]
+
+
+def test_sanitizer_phase_records_a_skip_without_the_tool_and_errors_with_it(tmp_path, monkeypatch):
+    ctx = _context(tmp_path)
+    monkeypatch.setattr(gpu_check, "find_sanitizer", lambda env: None)
+    calls = _fake_children(monkeypatch, lambda cmd: None)
+    gpu_check.phase_sanitizer(ctx, 60)
+    assert calls == [] and "not in this image" in ctx.setup.data["sanitizer"]["skipped"]
+    assert ctx.setup.data["checks"] == []  # a recorded skip, not a failure
+    (tmp_path / "b").mkdir()
+    ctx = _context(tmp_path / "b")
+    monkeypatch.setattr(gpu_check, "find_sanitizer", lambda env: "/opt/cuda/bin/compute-sanitizer")
+    tails = {"memcheck": "========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors",
+             "racecheck": "========= Error: Race reported between Write access at bob_row_kernel+0x1a0\n"
+                          "========= ERROR SUMMARY: 2 errors",
+             "synccheck": "========= ERROR SUMMARY: 0 errors"}
+    calls = _fake_children(monkeypatch, lambda cmd: {"tail": tails[cmd[2]], "rc": 9 if cmd[2] == "racecheck" else 0})
+    gpu_check.phase_sanitizer(ctx, 60)
+    assert [c[0][2] for c in calls] == ["memcheck", "racecheck", "synccheck"]
+    assert all(env["PYTORCH_NO_CUDA_MEMORY_CACHING"] == "1" and "--first-case-only" in cmd for cmd, env in calls)
+    res = {c["name"].split(":")[1].split()[0]: c for c in ctx.setup.data["checks"]}
+    assert res["memcheck"]["ok"] and res["synccheck"]["ok"] and not res["racecheck"]["ok"]
+    assert "2 errors" in res["racecheck"]["detail"] and "bob_row_kernel+0x1a0" in res["racecheck"]["detail"]
+
+
+JUNIT_ONE_MODULE_SKIPPED = (
+    '<testsuites><testsuite tests="3" failures="0" errors="0" skipped="1">'
+    '<testcase classname="tests.ops.test_mma_probe_cuda" name="test_pack_identical"/>'
+    '<testcase classname="tests.ops.test_event_loop_syncs" name="test_syncs"/>'
+    '<testcase classname="" name="tests.ops.test_flashbob_cuda"><skipped type="pytest.skip" '
+    'message="flashbob cuda builder incompatible: no nvcc"/></testcase></testsuite></testsuites>')
+
+
+def test_a_module_skipped_as_a_whole_fails_the_tests_phase(tmp_path, monkeypatch):
+    ctx = _context(tmp_path)
+
+    def writer(cmd):
+        junit = next(a.split("=", 1)[1] for a in cmd if a.startswith("--junitxml="))
+        Path(junit).write_text(JUNIT_ONE_MODULE_SKIPPED)
+    _fake_children(monkeypatch, writer)
+    gpu_check.phase_tests(ctx, 60)
+    check = ctx.setup.data["checks"][-1]
+    assert not check["ok"] and "test_flashbob_cuda: all 1 skipped (flashbob cuda builder incompatible: no nvcc)" \
+        in check["detail"]
+    counts = gpu_check.parse_junit(tmp_path / "ops.xml", ["test_flashbob_cuda", "test_mma_probe_cuda", "test_new"])
+    assert gpu_check.skipped_modules(counts) == [
+        "test_flashbob_cuda: all 1 skipped (flashbob cuda builder incompatible: no nvcc)",
+        "test_new: not in the report (not collected)"]
+
+
+def test_results_stay_within_eight_files_and_the_first_contact_comes_first():
+    assert {k: tuple(n for n, _ in v) for k, v in fc.KERNEL_OUTPUTS.items()} == gpu_check.LAUNCHER_KERNELS
+    assert len(gpu_results.RESULT_FILES) <= 8
+    order = list(gpu_check.PHASES)
+    assert order.index("build") < order.index("probe") < order.index("kernels") < order.index("sanitizer") \
+        < order.index("tests") < order.index("flashbob") < order.index("last_stage") < order.index("trainer")
+    assert gpu_check.parse_args([]).total_s <= 540  # one run of at most 9 minutes
+
+
+# ---- per-kernel profiler times and the two FLOP counts ------------------------------------------------
+
+class _Evt:
+    def __init__(self, key, us, count):
+        self.key, self.device_time_total, self.count = key, us, count
+
+
+def test_kernel_times_and_both_flop_counts():
+    ev = [_Evt("void flashbob::(anonymous namespace)::bob_row_kernel<__nv_bfloat16, 128, flashbob::Tiles<64, 32, 4> >"
+               "(...)", 3000.0, 3), _Evt("void flashbob::(anonymous namespace)::fwd_kernel<__nv_bfloat16, 128, "
+                                         "flashbob::Tiles<64, 64, 4> >(...)", 600.0, 3),
+          _Evt("void at::native::elementwise_kernel<128, 4>(...)", 300.0, 30), _Evt("cudaLaunchKernel", 0.0, 9)]
+    t = bfc.kernel_times(ev, reps=3)
+    assert t["bob_row_kernel"] == {"ms_per_step": 1.0, "calls_per_step": 1.0}
+    assert t["fwd_kernel"]["ms_per_step"] == pytest.approx(0.2) and t["other"]["ms_per_step"] == pytest.approx(0.1)
+    for k in bfc.KERNEL_GEMMS:
+        t.setdefault(k, {"ms_per_step": 0.0, "calls_per_step": 0.0})
+    t = {k: ({"ms_per_step": 1.0, "calls_per_step": 1.0} if k in bfc.KERNEL_GEMMS else v) for k, v in t.items()}
+    p = bfc.kernel_profile(t, n=8192, heads_q=32, head_dim=128)
+    unit = 8192 ** 2 * 128 * 32 * 0.5
+    assert p["useful_flop"] == 50 * unit and p["executed_flop"] == 62 * unit
+    assert p["useful_tflops"] == pytest.approx(50 * unit / 6e-3 / 1e12)
+    assert p["executed_tflops"] / p["useful_tflops"] == pytest.approx(62 / 50)
+    assert p["kernels"]["bob_row_kernel"]["executed_tflops"] == pytest.approx(18 * unit / 1e-3 / 1e12)
+    assert "50·N²·D" in p["flop_counts"]["useful"] and "62·N²·D" in p["flop_counts"]["executed"]
+
+
+def test_kernel_gemm_counts_match_the_kernel_source_header():
+    text = (REPO / "ds_ttt/ops/flashbob/csrc/flashbob_cuda_kernel.cu").read_text().split("#ifdef")[0]
+    for kernel, gemms in bfc.KERNEL_GEMMS.items():
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"//   {kernel} "))
+        nums = [int(x) for x in __import__("re").findall(r"\s(\d+)(?: \+ (\d+))?(?: GEMMs per tile pair)?\s*$",
+                                                          line)[0] if x]
+        assert sum(nums) == gemms, (kernel, line)
+    assert bfc.EXECUTED_PER_STEP == 62 and bfc.USEFUL_PER_STEP == 50
+
+
+# ---- resource usage table from the committed cuobjdump log -------------------------------------------
+
+SAMPLE_DUMP = """
+Fatbin elf code:
+================
+arch = sm_90
+code version = [1,8]
+host = linux
+compile_size = 64bit
+
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function _ZN8flashbob12_GLOBAL__N_114bob_row_kernelI13__nv_bfloat16Li128ENS_5TilesILi64ELi32ELi4EEEEEvPKT_:
+  REG:255 STACK:48 SHARED:0 LOCAL:0 CONSTANT[0]:600 TEXTURE:0 SURFACE:0 SAMPLER:0
+ Function _ZN9mma_probe6kernelEv:
+  REG:40 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:400 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+def test_resource_table_parses_cuobjdump():
+    u = rt.parse(SAMPLE_DUMP)
+    assert u == {("sm_90", "bob_row_kernel", "bf16", 128): {"REG": 255, "STACK": 48, "LOCAL": 0, "SHARED": 0}}
+    table = rt.table(u)
+    assert "| bob_row | bf16 | 128 | 255 | 48 | 0 | 0 |" in table and "| fwd | bf16 | 64 | missing" in table
+    with pytest.raises(ValueError, match="no FlashBoB kernel"):
+        rt.table(rt.parse("nothing here"))
+
+
+def test_docs_table_is_the_one_generated_from_the_committed_log():
+    log = REPO / "benchmarks/gpu/logs/cuobjdump_resource_usage.txt"
+    doc = (REPO / "docs/flashbob.md").read_text()
+    usage = rt.parse(log.read_text())
+    assert len(usage) == 48  # 6 kernels x bf16/fp16 x D 64/128 x sm_80/sm_90
+    assert rt.replace_block(doc, rt.render(log.read_text())) == doc, \
+        "docs/flashbob.md is stale: python benchmarks/gpu/resource_table.py --write docs/flashbob.md"

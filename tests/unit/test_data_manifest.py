@@ -272,7 +272,7 @@ def test_prepare_takes_one_canonical_copy_from_the_generator_folder(gen_dir, tmp
         assert c["kept"].startswith(str(gen_dir / "trajectories.jsonl") + ":")  # the canonical JSONL copy is kept
         assert c["dropped"] == str(gen_dir / "atif" / f"{tid}.json")
     kept = {t["id"]: t for s in man.splits for t in man.trajectories(s)}
-    assert all("session_id" not in t["meta"] and t["meta"]["isolation"] in ("unshare", "none") for t in kept.values())
+    assert all("session_id" not in t["meta"] and t["meta"]["isolation"] in ("bwrap", "none") for t in kept.values())
     # either copy alone gives the same trajectories
     alone = prepare([gen_dir / "atif"], tmp_path / "atif_only", capacity=4096, test_fraction=0.3, seed=1)
     assert alone.exit_code == 0 and alone.manifest["splits"]["train"]["retained_rounds"] == m["splits"]["train"]["retained_rounds"]

@@ -351,7 +351,7 @@ def test_trimmed_export_loads_in_evaluation_memory_test_service_runner_and_http(
     lines = [json.loads(line) for line in proc.stdout.splitlines()]  # one per round, then the summary
     assert proc.returncode in (0, 1) and lines, proc.stderr
     assert lines[-1]["num_rounds"] == len(lines) - 1 >= 1 and lines[-1]["attention_backend"] == "reference"
-    assert lines[-1]["isolation"] == ("unshare" if isolated else "none")
+    assert lines[-1]["isolation"] == ("bwrap" if isolated else "none")
     # the HTTP server, as a user starts it
     # (with its API key from the environment and a shorter context)
     srv = subprocess.Popen([sys.executable, "-m", "ds_ttt.serve.http", "--model", str(export), "--port", "0",

@@ -415,13 +415,15 @@ class Sandbox:
         """Kill every process of the sandbox (for bwrap: its PID namespace ends with its PID 1)."""
         if self._proc is None:
             return
-        _kill(_tree(self._proc.pid))
+        _kill(_tree(self._proc.pid))  # the sandbox's processes first, so bwrap reaps its PID 1 and exits
         try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self._proc.wait()
-        _kill(_tree(self._proc.pid))
+            self._proc.wait(timeout=KILL_GRACE_SEC)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self._proc.wait()
         for fd in (self._requests, self._status, self._out, self._err):
             os.close(fd)
         self._proc = None

@@ -1,54 +1,37 @@
-"""A Harbor environment backed by the project's sandbox, for machines without a Docker daemon.
+"""A Harbor environment on the project's bubblewrap sandbox, for tasks made of plain files (no Docker).
 
     harbor run -p TASK_DIR --agent ds_ttt.serve.harbor_agent:TTTAgent \
         --env ds_ttt.serve.harbor_env:SandboxEnvironment [--ek keep=true] ...
 
-Runs in the Harbor venv (Python >= 3.12, `bash setup_harbor.sh`); see docs/harbor.md. Harbor's
-trial runner addresses the environment by absolute container paths (`/app` the task's workdir,
-`/tests/test.sh`, `/logs/verifier/reward.txt`, `/logs/agent`, `/tmp` for transfer archives), so each
-trial gets a throwaway directory R that becomes `/` of a private namespace. It follows the data
-generator's sandbox (`ds_ttt.data.sandbox`: the same fixed command environment, the same kind of
-user/mount/pid namespaces) but keeps one namespace alive for the whole trial and chroots into R,
-because Harbor needs absolute paths and processes that persist between commands:
+Runs in the Harbor venv (Python >= 3.12, `bash setup_harbor.sh`); see docs/harbor.md and
+docs/sandbox.md. Each trial is one `ds_ttt.data.sandbox.Sandbox` (the generator's and the serve
+runner's sandbox): bubblewrap with no network, uid 1000 without capabilities, the host's /usr and /etc
+read-only, and as private size-capped tmpfs mounts the task's workdir (`/app` by default, holding the
+task's `environment/` files), HOME=/root, /tmp, /var/tmp and Harbor's `/logs`, `/tests`, `/solution`;
+everything else is read-only and no host path outside the system directories exists inside.
 
-    unshare --user --map-root-user --mount --pid --fork [--net]   (one long-lived init, `sleep infinity`)
-      R/usr, R/etc        read-only bind mounts of the host's (the task uses this machine's tools)
-      R/bin, lib, sbin …  the host's merged-/usr symlinks (or read-only bind mounts where they are dirs)
-      R/dev               recursive bind mount of the host's /dev
-      R/proc              a fresh proc for the new pid namespace
-      R/app, /tests, /logs/{agent,verifier,artifacts}, /tmp, /root, anything else   plain directories
-                          of R, private to the trial
-    chroot R
+  exec(command, cwd, env, timeout_sec)  `bash -c` in a new shell inside the trial's sandbox (as `docker
+                                        exec`: background processes live on); stdout and stderr apart;
+                                        at the timeout its processes are killed and Harbor's "Command
+                                        timed out after N seconds" error is raised
+  shell(command, timeout_sec)           the trial's one persistent shell (cd, export, jobs carry over),
+                                        as the generator's trajectories run; a CommandResult, stderr
+                                        merged, a timeout noted in it (harbor_agent may call this)
+  upload_*/download_*                   cat/tar inside the sandbox, so links made by a command resolve
+                                        there; a downloaded link pointing outside is skipped
+  stop                                  kills every process of the sandbox; its files go with it
 
-Every `exec` enters that namespace with `nsenter` (so background processes live on between commands,
-as in `docker exec`), runs `bash -c COMMAND` with the sandbox's fixed environment (C locale, fixed
-PATH, HOME=/root) plus Harbor's, and is killed (process group) at its timeout. Files move in and out
-with tar/cat through the same namespace, so paths and symlinks resolve inside it. `stop` kills the
-namespace's init, which ends every process in it, and removes R (unless `keep=true`).
-
-What it does not do — a convenience for running Harbor tasks here, not a security boundary:
-  * no image build: a task whose environment is a Dockerfile, docker-compose file or `docker_image`
-    is rejected (run those with Harbor's docker environment); plain files in the task's
-    `environment/` are copied into the workdir instead;
-  * one user: every command runs as the namespace's root, i.e. as the invoking user outside; Harbor's
-    `user=` requests are not honored;
-  * no CPU/memory limits, the host's /dev (including /dev/shm) is shared, and the network is the
-    host's unless the task's network policy is `no-network` (then `--net`: loopback only).
+Refused: a task whose environment is a Dockerfile, docker-compose file or `docker_image` (run it with
+`--env docker`), Windows tasks, and network allow-lists. A task whose network policy is public runs
+without network (a warning says so): the sandbox never has any. Harbor's `user=` is not honoured
+(one user, uid 1000).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import io
-import os
-import shlex
-import shutil
-import signal
-import subprocess
 import tarfile
-import tempfile
-import time
 from pathlib import Path, PurePosixPath
 from typing import override
 
@@ -59,40 +42,21 @@ from harbor.environments.tar_transfer import extract_dir
 from harbor.models.task.config import NetworkMode, TaskOS
 from harbor.models.trial.paths import EnvironmentPaths
 
-from ds_ttt.data.sandbox import SANDBOX_ENV
+from ds_ttt.data.sandbox import CommandResult, Sandbox, SandboxError, isolation_problem
 
 DEFAULT_WORKDIR = "/app"
-HOST_READ_ONLY_DIRS = ("usr", "etc")  # bind-mounted read-only into every sandbox root
-HOST_TOP_LEVEL_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")  # merged-/usr symlinks (or dirs)
-NAMESPACE_START_TIMEOUT_SEC = 10.0
-
-
-@functools.lru_cache(maxsize=2)
-def namespace_problem(*, network: bool = False) -> str | None:
-    """None when the sandbox's namespaces (with their own network, if asked) can be made here, else why not."""
-    for tool in ("unshare", "nsenter", "setpriv", "chroot", "bash", "tar"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not on PATH"
-    argv = ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork"] + (["--net"] if network else [])
-    try:
-        proc = subprocess.run(argv + ["true"], capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"`{' '.join(argv)} true` failed: {e}"
-    if proc.returncode != 0:
-        return (f"`{' '.join(argv)} true` exited {proc.returncode}: {proc.stderr.decode(errors='replace').strip()} "
-                "(unprivileged user namespaces disabled?)")
-    return None
+HOME = "/root"
+EXEC_OUTPUT_BYTES = 8 << 20  # what one exec may print (the agent keeps far less)
+NO_TIMEOUT_SEC = 24 * 3600.0  # Harbor's timeout_sec=None
 
 
 class SandboxEnvironment(BaseEnvironment):
-    """Harbor `BaseEnvironment`: a throwaway root directory, chrooted inside user+mount+pid namespaces."""
+    """Harbor `BaseEnvironment`: one bubblewrap `Sandbox` per trial."""
 
     def __init__(self, *args, keep: bool = False, **kwargs):
-        self._keep = bool(keep)
-        self._root: Path | None = None
-        self._unshare: asyncio.subprocess.Process | None = None
-        self._init_pid: int | None = None
-        self._own_network = False
+        self._keep = bool(keep) if not isinstance(keep, str) else keep.lower() in ("1", "true", "yes")
+        self._sandbox: Sandbox | None = None
+        self._lock = asyncio.Lock()
         super().__init__(*args, **kwargs)
 
     # ---- identity and capabilities -------------------------------------------------------------
@@ -104,15 +68,16 @@ class SandboxEnvironment(BaseEnvironment):
     @property
     @override
     def capabilities(self) -> EnvironmentCapabilities:
-        return EnvironmentCapabilities(disable_internet=namespace_problem(network=True) is None)
+        return EnvironmentCapabilities(disable_internet=True)
 
     @classmethod
     @override
     def preflight(cls) -> None:
-        problem = namespace_problem()
+        problem = isolation_problem()
         if problem is not None:
-            raise SystemExit(f"ds_ttt.serve.harbor_env.SandboxEnvironment cannot run here: {problem}. "
-                             "Use a Harbor environment with a container runtime (e.g. --env docker).")
+            raise SystemExit(f"ds_ttt.serve.harbor_env.SandboxEnvironment cannot run here: {problem}. Install bubblewrap "
+                             "(apt-get install bubblewrap), or use a Harbor environment with a container runtime "
+                             "(--env docker).")
 
     @override
     def _validate_definition(self):
@@ -133,185 +98,102 @@ class SandboxEnvironment(BaseEnvironment):
         return self.task_env_config.workdir or DEFAULT_WORKDIR
 
     @property
-    def root(self) -> Path:
-        """The sandbox directory that is `/` inside the namespace."""
-        if self._root is None:
+    def sandbox(self) -> Sandbox:
+        if self._sandbox is None:
             raise RuntimeError("SandboxEnvironment is not started")
-        return self._root
+        return self._sandbox
+
+    @property
+    def root(self) -> Path:
+        """The host directory the sandbox's files are exported to at `stop` with keep=true."""
+        return self.sandbox.fs_root
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def _layout_root(self, root: Path) -> None:
-        for name in HOST_READ_ONLY_DIRS + ("dev", "proc", "tmp", "root"):
-            (root / name).mkdir(exist_ok=True)
-        (root / "tmp").chmod(0o1777)
-        for name in HOST_TOP_LEVEL_LINKS:
-            host = Path("/") / name
-            if host.is_symlink():
-                (root / name).symlink_to(os.readlink(host))
-            elif host.is_dir():
-                (root / name).mkdir(exist_ok=True)
-        paths = EnvironmentPaths()  # the directories Harbor's docker environment mounts from the trial dir
-        for log_dir in (paths.agent_dir, paths.verifier_dir, paths.artifacts_dir):
-            (root / log_dir.relative_to("/")).mkdir(parents=True, exist_ok=True)
-        workdir = root / PurePosixPath(self.workdir).relative_to("/")
-        workdir.mkdir(parents=True, exist_ok=True)
-        if self.environment_dir.is_dir():  # plain task files (a Dockerfile was rejected above)
-            shutil.copytree(self.environment_dir, workdir, dirs_exist_ok=True, symlinks=True)
-
-    def _mount_script(self, root: Path) -> str:
-        q = shlex.quote
-        lines = ["set -e"]
-        binds = list(HOST_READ_ONLY_DIRS) + [n for n in HOST_TOP_LEVEL_LINKS
-                                             if (Path("/") / n).is_dir() and not (Path("/") / n).is_symlink()]
-        for name in binds:
-            target = q(str(root / name))
-            lines += [f"mount --rbind /{name} {target}", f"mount -o remount,bind,ro {target}"]
-        lines += [f"mount --rbind /dev {q(str(root / 'dev'))}", f"mount -t proc proc {q(str(root / 'proc'))}",
-                  f"exec chroot {q(str(root))} /bin/sleep infinity"]
-        return "\n".join(lines)
-
     @override
     async def start(self, force_build: bool) -> None:
-        problem = namespace_problem(network=self.network_policy.network_mode == NetworkMode.NO_NETWORK)
-        if problem is not None:
-            raise RuntimeError(f"SandboxEnvironment cannot start: {problem}")
-        self._root = root = Path(tempfile.mkdtemp(prefix="ds_ttt_harbor_")).resolve()
-        self._layout_root(root)
-        # --kill-child: the namespace ends with unshare; setpriv --pdeathsig: unshare ends with this process
-        argv = ["setpriv", "--pdeathsig", "KILL", "unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork",
-                "--kill-child"]
-        self._own_network = self.network_policy.network_mode == NetworkMode.NO_NETWORK
-        if self._own_network:
-            argv.append("--net")
-        self._unshare = await asyncio.create_subprocess_exec(
-            *argv, "bash", "--noprofile", "--norc", "-c", self._mount_script(root),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-        deadline = time.monotonic() + NAMESPACE_START_TIMEOUT_SEC
-        while True:  # the init is ready once it runs chrooted into R
-            if self._unshare.returncode is not None or time.monotonic() > deadline:
-                await self._abort_start()
-            pid = self._child_pid(self._unshare.pid)
-            if pid is not None and _proc_root(pid) == root.resolve():
-                self._init_pid = pid
-                break
-            await asyncio.sleep(0.02)
-        self.logger.debug(f"sandbox root {root}, namespace init pid {self._init_pid}")
-
-    async def _abort_start(self):
-        proc = self._unshare
-        if proc.returncode is None:
-            proc.kill()
-        _, err = await proc.communicate()
-        self._cleanup()
-        raise RuntimeError(f"SandboxEnvironment: the namespace did not start (exit {proc.returncode}): "
-                           f"{(err or b'').decode(errors='replace').strip()}")
-
-    @staticmethod
-    def _child_pid(pid: int) -> int | None:
+        mode = self.network_policy.network_mode
+        if mode == NetworkMode.ALLOWLIST:
+            raise RuntimeError("SandboxEnvironment has no network, so it cannot honour a network allow-list; "
+                               "run this task with --env docker")
+        if mode == NetworkMode.PUBLIC:
+            self.logger.warning("SandboxEnvironment has no network: this task's policy is public, so commands that "
+                                "need the internet will fail (run it with --env docker if it needs any)")
+        paths = EnvironmentPaths()
         try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            return None
-        return int(children[0]) if children else None
+            sb = Sandbox(keep=self._keep, timeout=NO_TIMEOUT_SEC, workdir=self.workdir, home=HOME,
+                         dirs=(str(paths.logs_dir), str(paths.tests_dir), str(paths.solution_dir)))
+        except SandboxError as e:
+            raise RuntimeError(f"SandboxEnvironment cannot start: {e}") from e
+        if self.environment_dir.is_dir():  # plain task files (a Dockerfile was rejected above)
+            sb.add_tree(self.environment_dir)
+        self._sandbox = sb
+        subdirs = [paths.agent_dir, paths.user_agent_dir, paths.verifier_dir, paths.artifacts_dir]
+        res = await self._call(sb.run_fresh, "mkdir -p " + " ".join(str(d) for d in subdirs), timeout=60.0)
+        if res.exit_code != 0:
+            raise RuntimeError(f"SandboxEnvironment: setting up the log directories failed: {res.stderr.strip()}")
+        self.logger.debug(f"sandbox {sb.base} started")
 
     @override
     async def stop(self, delete: bool) -> None:
-        if self._init_pid is not None:
-            try:  # SIGKILL to the pid namespace's init ends every process in it
-                os.kill(self._init_pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._init_pid = None
-        if self._unshare is not None:
-            await self._unshare.communicate()
-            self._unshare = None
-        self._cleanup()
-
-    def _cleanup(self) -> None:
-        if self._root is not None:
+        if self._sandbox is not None:
+            sb, self._sandbox = self._sandbox, None
+            await asyncio.to_thread(sb.close)  # not under the lock: a running command must not delay the kill
             if self._keep:
-                self.logger.info(f"kept sandbox root {self._root}")
-            else:
-                shutil.rmtree(self._root, ignore_errors=True)
-            self._root = None
+                self.logger.info(f"kept the sandbox's files in {sb.fs_root}")
+
+    async def _call(self, fn, *args, **kwargs):
+        """Sandbox calls block; they run in a thread, one at a time, so Harbor's event loop keeps its timers."""
+        async with self._lock:
+            return await asyncio.to_thread(fn, *args, **kwargs)
 
     # ---- commands ------------------------------------------------------------------------------
-    def _enter_argv(self, argv: list[str], cwd: str, env: dict[str, str] | None) -> list[str]:
-        if self._init_pid is None:
-            raise RuntimeError("SandboxEnvironment is not started")
-        variables = {**SANDBOX_ENV, "HOME": "/root", **(env or {})}
-        # the network namespace only when it is the sandbox's own (the host's needs no entering)
-        namespaces = ["--user", "--mount", "--pid"] + (["--net"] if self._own_network else [])
-        return (["nsenter", "-t", str(self._init_pid), *namespaces, "--root", "env", "-i", "-C", cwd]
-                + [f"{k}={v}" for k, v in variables.items()] + argv)
-
-    async def _run(self, argv: list[str], *, cwd: str, env: dict[str, str] | None = None,
-                   stdin: bytes | None = None, timeout_sec: float | None = None) -> tuple[int, bytes, bytes]:
-        proc = await asyncio.create_subprocess_exec(
-            *self._enter_argv(argv, cwd, env), stdin=asyncio.subprocess.PIPE if stdin is not None else
-            asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin), timeout=timeout_sec)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
-            try:  # nsenter and the command share this process group
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await proc.wait()
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            raise RuntimeError(f"Command timed out after {timeout_sec} seconds") from None
-        return proc.returncode, out, err
-
     @override
     async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
                    timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
-        # `user` is not honored: the sandbox has one user (see the module docstring)
-        code, out, err = await self._run(["bash", "--noprofile", "--norc", "-c", command], cwd=cwd or self.workdir,
-                                         env=self._merge_env(env), timeout_sec=timeout_sec)
-        return ExecResult(stdout=out.decode(errors="replace") or None, stderr=err.decode(errors="replace") or None,
-                          return_code=code)
+        # `user` is not honoured: the sandbox has one user (see the module docstring)
+        res = await self._call(self.sandbox.run_fresh, command, cwd=cwd or self.workdir, env=self._merge_env(env),
+                               timeout=NO_TIMEOUT_SEC if timeout_sec is None else float(timeout_sec),
+                               max_output_bytes=EXEC_OUTPUT_BYTES)
+        if res.timed_out:
+            raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
+        return ExecResult(stdout=res.output or None, stderr=res.stderr or None, return_code=res.exit_code)
 
-    async def _checked(self, what: str, argv: list[str], stdin: bytes | None = None) -> bytes:
-        code, out, err = await self._run(argv, cwd="/", stdin=stdin)
-        if code != 0:
-            detail = err.decode(errors="replace").strip()
-            raise RuntimeError(f"SandboxEnvironment {what} failed (exit {code}): {detail}")
-        return out
+    async def shell(self, command: str, timeout_sec: float | None = None) -> CommandResult:
+        """Run `command` in the trial's persistent shell (state carries over; stderr merged)."""
+        return await self._call(self.sandbox.run, command, NO_TIMEOUT_SEC if timeout_sec is None else float(timeout_sec))
+
+    async def _checked(self, what: str, fn, *args, **kwargs):
+        try:
+            res = await self._call(fn, *args, **kwargs)
+        except SandboxError as e:
+            raise RuntimeError(f"SandboxEnvironment {what} failed: {e}") from e
+        if isinstance(res, CommandResult) and res.exit_code != 0:
+            raise RuntimeError(f"SandboxEnvironment {what} failed (exit {res.exit_code}): {res.stderr.strip()}")
+        return res
 
     # ---- files ---------------------------------------------------------------------------------
     @override
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
-        data = Path(source_path).read_bytes()
-        await self._checked(f"upload of {source_path} to {target_path}",
-                            ["bash", "-c", 'mkdir -p -- "$(dirname -- "$0")" && cat > "$0"', target_path], data)
+        await self._checked(f"upload of {source_path} to {target_path}", self.sandbox.put,
+                            Path(source_path).read_bytes(), str(PurePosixPath(target_path)))
 
     @override
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:  # contents of source_dir (like `docker cp src/. dst`)
             tar.add(str(source_dir), arcname=".")
-        await self._checked(f"upload of {source_dir} to {target_dir}",
-                            ["bash", "-c", 'mkdir -p -- "$0" && tar -x -C "$0"', target_dir], buf.getvalue())
+        await self._checked(f"upload of {source_dir} to {target_dir}", self.sandbox.put_tree, buf.getvalue(), target_dir)
 
     @override
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
-        data = await self._checked(f"download of {source_path}", ["cat", "--", source_path])
+        data = await self._checked(f"download of {source_path}", self.sandbox.read, source_path)
         target = Path(target_path)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
 
     @override
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        data = await self._checked(f"download of {source_dir}", ["tar", "-c", "-C", source_dir, "."])
+        data = await self._checked(f"download of {source_dir}", self.sandbox.get_tree, source_dir)
         refused = extract_dir(io.BytesIO(data), target_dir)  # skips absolute paths and links out of target_dir
         for reason in refused:
             self.logger.warning(f"download of {source_dir}: skipped {reason}")
-
-
-def _proc_root(pid: int) -> Path | None:
-    try:
-        return Path(os.readlink(f"/proc/{pid}/root"))
-    except OSError:
-        return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
+from ds_ttt.data.sandbox import _tree
 from ds_ttt.serve.harbor_env import SandboxEnvironment
 
 
@@ -29,16 +29,8 @@ def make_env(environment_dir: Path, scratch: Path, name: str, mode: NetworkMode)
                               network_policy=NetworkPolicy(network_mode=mode))
 
 
-def processes_rooted_at(root: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if Path(os.readlink(entry / "root")) == root:
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
+def alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if Path(f"/proc/{p}").exists()]
 
 
 async def probe(environment_dir: Path, scratch: Path) -> dict:
@@ -51,7 +43,7 @@ async def probe(environment_dir: Path, scratch: Path) -> dict:
 
     env = make_env(environment_dir, scratch, "public", NetworkMode.PUBLIC)
     await env.start(force_build=False)
-    root = env.root
+    base = env.sandbox.base
     out["pwd"] = (await env.exec("pwd")).stdout
     out["notes"] = (await env.exec("cat notes.txt")).stdout
     out["home_uid"] = (await env.exec("echo $HOME $(id -u)")).stdout
@@ -59,7 +51,8 @@ async def probe(environment_dir: Path, scratch: Path) -> dict:
     out["usr_write"] = [usr.return_code, usr.stderr]
     out["absolute_write"] = (await env.exec("mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && "
                                             "cat /logs/verifier/reward.txt")).stdout
-    out["lands_in_root"] = (root / "logs" / "verifier" / "reward.txt").read_text()
+    await env.download_file("/logs/verifier/reward.txt", scratch / "reward.txt")
+    out["lands_in_root"] = (scratch / "reward.txt").read_text()
     out["exit_code"] = (await env.exec("exit 7")).return_code
     out["stderr"] = (await env.exec("echo oops >&2")).stderr
     out["env"] = (await env.exec("echo $FOO", env={"FOO": "bar"})).stdout
@@ -73,6 +66,10 @@ async def probe(environment_dir: Path, scratch: Path) -> dict:
         out["timeout"] = str(e)
     out["timeout_sec"] = time.monotonic() - t0
     out["public_network"] = (await env.exec(connect)).stdout
+    await env.shell("cd /tmp && export KEPT=yes")
+    out["shell"] = (await env.shell("echo $PWD $KEPT")).output
+    out["shell_timeout"] = (await env.shell("sleep 30; echo never", timeout_sec=1)).timed_out
+    out["shell_after"] = (await env.shell("echo $PWD $KEPT")).output
 
     src = scratch / "upload"
     (src / "sub").mkdir(parents=True)
@@ -81,19 +78,25 @@ async def probe(environment_dir: Path, scratch: Path) -> dict:
     (src / "run.sh").chmod(0o755)
     await env.upload_dir(src, "/tests")
     out["uploaded_dir"] = (await env.exec("cat /tests/sub/a.txt; /tests/run.sh")).stdout
-    await env.upload_file(src / "sub" / "a.txt", "/deep/new/b.txt")
-    out["uploaded_file"] = (await env.exec("cat /deep/new/b.txt")).stdout
+    await env.upload_file(src / "sub" / "a.txt", "/tmp/deep/new/b.txt")
+    out["uploaded_file"] = (await env.exec("cat /tmp/deep/new/b.txt")).stdout
+    try:  # only the sandbox's writable mounts take files; / itself is read-only
+        await env.upload_file(src / "sub" / "a.txt", "/deep/b.txt")
+        out["upload_outside"] = "accepted"
+    except RuntimeError as e:
+        out["upload_outside"] = str(e)
     await env.exec("mkdir -p /logs/agent/d && echo X > /logs/agent/d/x.txt && ln -s /etc/passwd /logs/agent/leak")
     down = scratch / "download"
     await env.download_dir("/logs/agent", down)
     out["downloaded"] = sorted(str(p.relative_to(down)) for p in down.rglob("*"))
-    await env.download_file("/deep/new/b.txt", scratch / "b.txt")
+    await env.download_file("/tmp/deep/new/b.txt", scratch / "b.txt")
     out["downloaded_file"] = (scratch / "b.txt").read_text()
-    out["processes_before_stop"] = len(processes_rooted_at(root))
+    pids = [env.sandbox._proc.pid] + [p for p, _ in _tree(env.sandbox._proc.pid)]
+    out["processes_before_stop"] = len(alive(pids))
     await env.stop(delete=True)
     time.sleep(0.2)
-    out["processes_after_stop"] = len(processes_rooted_at(root))
-    out["root_removed"] = not root.exists()
+    out["processes_after_stop"] = len(alive(pids))
+    out["root_removed"] = not base.exists()
 
     isolated = make_env(environment_dir, scratch, "isolated", NetworkMode.NO_NETWORK)
     out["disable_internet"] = isolated.capabilities.disable_internet

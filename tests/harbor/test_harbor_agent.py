@@ -82,17 +82,19 @@ def test_sandbox_environment_contract(harbor_python, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout)
     assert got["pwd"] == "/app\n" and got["notes"] == (TASK_DIR / "environment" / "notes.txt").read_text()
-    assert got["home_uid"] == "/root 0\n"
+    assert got["home_uid"] == "/root 1000\n"  # an unprivileged uid
     assert got["usr_write"][0] != 0 and "Read-only file system" in got["usr_write"][1]  # the host's /usr is safe
-    assert got["absolute_write"] == "1\n" and got["lands_in_root"] == "1\n"  # /logs/... lands in the sandbox root
+    assert got["absolute_write"] == "1\n" and got["lands_in_root"] == "1\n"  # /logs/... is the sandbox's, downloadable
     assert got["exit_code"] == 7 and got["stderr"] == "oops\n" and got["env"] == "bar\n"
     assert got["background_alive"] == "alive\n"  # a background process outlives its exec, as in `docker exec`
     assert got["timeout"] == "Command timed out after 1 seconds" and got["timeout_sec"] < 10
     assert got["uploaded_dir"] == "Aran\n" and got["uploaded_file"] == "A" and got["downloaded_file"] == "A"
+    assert "Read-only file system" in got["upload_outside"]  # / is read-only; the writable mounts are the sandbox's
     assert got["downloaded"] == ["d", "d/x.txt"]  # the link to /etc/passwd was not followed out of the sandbox
     assert got["processes_before_stop"] >= 2 and got["processes_after_stop"] == 0 and got["root_removed"]
-    assert got["public_network"] == "reachable\n"
-    assert got["disable_internet"] and got["no_network"] == "unreachable\n"  # no-network tasks get only loopback
+    assert got["public_network"] == "unreachable\n"  # no network even for a public task (bubblewrap, docs/sandbox.md)
+    assert got["disable_internet"] and got["no_network"] == "unreachable\n"
+    assert got["shell"] == got["shell_after"] == "/tmp yes\n" and got["shell_timeout"]  # the persistent shell
 
 
 def agent_steps(trajectory: dict) -> list[dict]:

@@ -1,0 +1,64 @@
+"""The hostile-command suite (tests/unit/hostile.py) through Harbor's `SandboxEnvironment`.
+
+    .venv/bin/python -m pytest tests/harbor/test_harbor_hostile.py -q
+
+The host-side targets (sentinel tree, Unix-socket and loopback servers, the secret in this process's
+environment) live in this process; tests/harbor/hostile_probe.py runs every attack in the Harbor venv
+through the environment's `exec` and its persistent `shell`, each attack in a fresh trial. Every
+attack must fail in both. The same suite run against the environment of before issue 22 (a chroot
+in a user namespace where the task is root, read from git) finds its escapes: the chroot escape reads
+the host's secret — so these checks can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harbor.scripted_agent import REPO
+
+sys.path.insert(0, str(REPO / "tests" / "unit"))
+from hostile import ATTACKS, HostTargets, command, extra_check  # noqa: E402
+
+OLD_ENV_COMMIT = "2e37d67"  # the last commit before issue 22's sandbox
+
+
+def probe(harbor_python, tmp_path, targets, names, env_file=None) -> dict:
+    cmds = {n: command(n, targets.fields(os.getpid())) for n in names}
+    (tmp_path / "cmds.json").write_text(json.dumps(cmds))
+    argv = [str(harbor_python), str(REPO / "tests" / "harbor" / "hostile_probe.py"), str(tmp_path / "cmds.json"),
+            str(tmp_path / "scratch")] + ([str(env_file)] if env_file else [])
+    (tmp_path / "scratch").mkdir()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def test_every_attack_fails_through_harbor(harbor_python, tmp_path):
+    with HostTargets() as targets:
+        got = probe(harbor_python, tmp_path, targets, sorted(ATTACKS))
+        problems = {}
+        for name, res in got.items():
+            for way in ("exec", "shell"):
+                out = res[way]
+                bad = targets.failures(out) + ([] if extra_check(name, out) else ["its own check failed"])
+                if bad:
+                    problems[f"{name}/{way}"] = (bad, out[-1500:])
+            if not res["alive"].startswith("alive"):
+                problems[f"{name}/alive"] = res["alive"][-500:]
+    assert problems == {}, json.dumps(problems, indent=1)[-6000:]
+
+
+def test_the_old_environment_is_caught_escaping(harbor_python, tmp_path):
+    old = tmp_path / "old_harbor_env.py"
+    old.write_text(subprocess.run(["git", "show", f"{OLD_ENV_COMMIT}:ds_ttt/serve/harbor_env.py"], cwd=REPO,
+                                  capture_output=True, text=True, check=True).stdout)
+    with HostTargets() as targets:
+        got = probe(harbor_python, tmp_path, targets, ["chroot_escape", "read_host_files"], env_file=old)
+        assert "the secret token appeared in the output" in targets.failures(got["chroot_escape"]["exec"]), got
+        assert targets.failures(got["read_host_files"]["exec"]) == []  # a plain read was already blocked there

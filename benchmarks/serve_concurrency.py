@@ -1,0 +1,195 @@
+"""Serving many sessions at once: the batched server against today's server, on the same export, in one run.
+
+    cd /work/main && nice -n 19 .venv/bin/python benchmarks/serve_concurrency.py           # ~5-10 min
+    .venv/bin/python benchmarks/serve_concurrency.py --levels 1,8 --max-tokens 32 --repeats 1   # quick look
+
+Three servers, each `python -m ds_ttt.serve.http` in its own process (OMP_NUM_THREADS=1 each, so the
+comparison is per core, not per thread count), all loading one export (benchmarks/serve_decode.py's
+model: the main job's `tiny-mem` preset and TTT settings, compact vocabulary, random init):
+
+  today     the server as it was before batching (commit --base, unpacked with `git archive` into a
+            temporary directory): every request decodes alone in its own worker thread
+  unbatched this tree's server with --no-batching (the same per-request path, the new API/bounds)
+  batched   this tree's server: one scheduler thread steps every active session's next token in one
+            forward (ds_ttt/serve/scheduler.py, batch.py)
+
+For each concurrency level N (default 1, 4, 8, 16) and each server, in turn (levels interleaved
+across servers, --repeats times): N clients start together, each one conversation (its own task, so
+its own session) asking one reply of --max-tokens at temperature 0 (greedy: the three servers
+generate the same tokens). Measured per server and level (medians over repeats):
+  aggregate tokens/s   all completion tokens / wall time from the first request sent to the last reply
+  per-token latency    per request: its wall time / its completion tokens; p50 and p95 over requests
+The load average is recorded at the start and the end (start only when it is below --max-load).
+Results: benchmarks/results/serve_concurrency.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmarks" / "results"
+DEFAULT_BASE = "187dd17"  # the last commit whose server decodes one request at a time
+
+
+def load_serve_decode():
+    spec = importlib.util.spec_from_file_location("serve_decode", REPO / "benchmarks" / "serve_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def start_server(name: str, code_dir: pathlib.Path, export: pathlib.Path, extra: list[str], log_dir: pathlib.Path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(code_dir))
+    log = open(log_dir / f"{name}.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "ds_ttt.serve.http", "--model", str(export), "--port", "0",
+                             "--max-sessions", "128", "--max-new-tokens", "512", *extra],
+                            stderr=log, stdout=log, env=env, cwd=code_dir)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        log.seek(0)
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", log.read())
+        if m:
+            return proc, f"http://127.0.0.1:{m.group(1)}"
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server {name} exited {proc.returncode}:\n{log.read()[-3000:]}")
+        time.sleep(0.2)
+    raise RuntimeError(f"server {name} did not start")
+
+
+def one_request(url: str, model: str, task: str, max_tokens: int, tools: list, system: str) -> dict:
+    body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": task}],
+            "tools": tools, "max_tokens": max_tokens, "temperature": 0}
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1800)
+    t1 = time.perf_counter()
+    r.raise_for_status()
+    reply = r.json()
+    return {"start": t0, "end": t1, "tokens": reply["usage"]["completion_tokens"],
+            "text": json.dumps(reply["choices"][0]["message"], sort_keys=True)}
+
+
+def level(url: str, model: str, n: int, max_tokens: int, tools: list, system: str, tag: str) -> dict:
+    tasks = [f"Task {tag}-{i}: count the lines of file{i}.txt and write the number to COUNT{i}." for i in range(n)]
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        got = list(pool.map(lambda t: one_request(url, model, t, max_tokens, tools, system), tasks))
+    wall = max(g["end"] for g in got) - min(g["start"] for g in got)
+    per_token = sorted((g["end"] - g["start"]) / max(g["tokens"], 1) for g in got)
+    return {"tokens": sum(g["tokens"] for g in got), "wall_s": wall,
+            "tokens_per_s": sum(g["tokens"] for g in got) / wall,
+            "p50_ms": 1000 * statistics.median(per_token),
+            "p95_ms": 1000 * per_token[min(len(per_token) - 1, int(round(0.95 * (len(per_token) - 1))))],
+            "replies": [g["text"] for g in got]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levels", default="1,4,8,16")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--base", default=DEFAULT_BASE, help="commit of today's (unbatched) server")
+    p.add_argument("--max-load", type=float, default=2.5, help="wait until the 1-min load average is below this")
+    p.add_argument("--out", default=str(OUT))
+    args = p.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    waited = 0
+    while os.getloadavg()[0] >= args.max_load or pathlib.Path("/tmp/ds_ttt_measuring").exists():
+        if waited == 0:
+            print(f"waiting for load < {args.max_load} (now {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+        time.sleep(10)
+        waited += 10
+    load_start = os.getloadavg()
+    from ds_ttt.data.generator import BASH_TOOL, SYSTEM_PROMPT
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="serve_concurrency_"))
+    export, model_info = load_serve_decode().build_export(tmp / "export")
+    old = tmp / "today"
+    old.mkdir()
+    archive = subprocess.run(["git", "archive", args.base, "ds_ttt"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    base_sha = subprocess.run(["git", "rev-parse", args.base], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    servers = {}
+    try:
+        servers["today"] = start_server("today", old, export, [], tmp)
+        servers["unbatched"] = start_server("unbatched", REPO, export, ["--no-batching", "--max-active", "32"], tmp)
+        servers["batched"] = start_server("batched", REPO, export, ["--max-active", "32"], tmp)
+        model = "export"
+        for name, (_, url) in servers.items():  # warm-up
+            level(url, model, 1, 8, [BASH_TOOL], SYSTEM_PROMPT, f"warm-{name}")
+        runs: dict = {name: {n: [] for n in levels} for name in servers}
+        for rep in range(args.repeats):
+            for n in levels:
+                for name, (_, url) in servers.items():
+                    res = level(url, model, n, args.max_tokens, [BASH_TOOL], SYSTEM_PROMPT, f"r{rep}")
+                    runs[name][n].append(res)
+                    print(f"rep {rep} N={n:2d} {name:9s} {res['tokens_per_s']:8.1f} tok/s  p50 {res['p50_ms']:.1f} ms"
+                          f"  p95 {res['p95_ms']:.1f} ms  ({res['tokens']} tokens, {res['wall_s']:.2f} s)",
+                          file=sys.stderr, flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            proc.wait(timeout=60)
+    load_end = os.getloadavg()
+    table = {}
+    for name in runs:
+        table[name] = {}
+        for n in levels:
+            rs = runs[name][n]
+            table[name][n] = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "p50_ms", "p95_ms")}
+            table[name][n]["tokens"] = rs[0]["tokens"]
+    # the same greedy replies from every server (a check that they did the same work)
+    same = all(runs[a][n][0]["replies"] == runs["today"][n][0]["replies"] for a in runs for n in levels)
+    one = table["batched"][levels[0]]["tokens_per_s"]
+    res = {"base_commit": base_sha, "model": model_info, "levels": levels, "max_tokens": args.max_tokens,
+           "repeats": args.repeats, "table": table, "same_replies": same,
+           "speedup_vs_one": {n: table["batched"][n]["tokens_per_s"] / one for n in levels},
+           "speedup_vs_today": {n: table["batched"][n]["tokens_per_s"] / table["today"][n]["tokens_per_s"]
+                                for n in levels},
+           "load_start": load_start, "load_end": load_end, "cpu_count": os.cpu_count(),
+           "platform": platform.platform(), "python": platform.python_version()}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve_concurrency.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / "serve_concurrency.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0 if same else 1
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Serving concurrency (benchmarks/serve_concurrency.py)", "",
+             f"Model: {res['model']['preset']} ({res['model']['num_layers']} layers, hidden {res['model']['hidden']}), "
+             f"vocab {res['model']['vocab_size']}; greedy, {res['max_tokens']} new tokens per request, "
+             f"{res['repeats']} repeats (medians); one thread per server process; today = {res['base_commit'][:7]}. "
+             f"Load average at start {res['load_start'][0]:.2f}, at end {res['load_end'][0]:.2f} "
+             f"({res['cpu_count']} CPUs). Same replies on every server: {res['same_replies']}.", "",
+             "| sessions | server | aggregate tokens/s | p50 ms/token | p95 ms/token |", "|---|---|---|---|---|"]
+    for n in res["levels"]:
+        for name, rows in res["table"].items():
+            r = rows[n] if n in rows else rows[str(n)]
+            lines.append(f"| {n} | {name} | {r['tokens_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} |")
+    lines += ["", "Batched aggregate vs one session: " + ", ".join(
+        f"{n}: x{v:.2f}" for n, v in res["speedup_vs_one"].items()),
+        "Batched vs today's server at the same concurrency: " + ", ".join(
+        f"{n}: x{v:.2f}" for n, v in res["speedup_vs_today"].items()), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

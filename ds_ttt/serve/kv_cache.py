@@ -93,8 +93,8 @@ class KVCache:
         return self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
 
     def clone(self, num_slots: int) -> "KVCache":
-        """An independent copy holding slots 0..num_slots-1 (for forking a session)."""
-        cap = max(1, min(max(num_slots, self.capacity), self.max_capacity))
+        """An independent copy holding slots 0..num_slots-1 (for forking a session), allocated at num_slots."""
+        cap = max(1, min(num_slots, self.max_capacity))  # its used length, not the capacity (grows on demand)
 
         def copy(t):
             out = t.new_empty(t.shape[0], t.shape[1], cap, t.shape[3])

@@ -350,3 +350,15 @@ def test_a_client_that_disconnects_cancels_and_commits_nothing(agent, capfd):
         assert err.count("cancelled") == 2, err
         assert len(store) == 0 and store.memory()["active"] == 0  # nothing was committed
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_a_fork_copies_the_cache_at_its_used_length(agent):
+    s = AgentSession(agent, max_new_tokens=48)
+    s.reset(TASKS[0], system=SYSTEM, tools=TOOLS)
+    s.act()
+    used = s._state().num_slots
+    assert s._state().cache.capacity > used
+    twin = s.fork()
+    assert twin._state().cache.capacity == used
+    twin.observe(["ok"])  # and it grows on demand
+    assert twin.act() and twin._state().cache.capacity >= twin._state().num_slots

@@ -53,9 +53,10 @@ def tool_loop_trajectory(index: int, rounds: int = 4) -> dict:
             "meta": {"group": f"loop-{index}", "family": "tool_loop"}}
 
 
-def _train_tool_caller(model, tokenizer, trajectories, steps: int = 150) -> None:
+def _train_tool_caller(model, tokenizer, trajectories, steps: int = 300) -> None:
     """Next-action loss (W_0, no inner updates) until greedy decoding repeats ACTION for the TASKS
-    (150 Adam steps at lr 3e-3 for this model)."""
+    (300 Adam steps at lr 3e-3 for this model: 150 left two of the four tasks with broken calls once the
+    generator's memory worlds, and so the compact vocabulary, changed in 537bb19)."""
     from ds_ttt.data.render import render_trajectory
 
     batch = [render_trajectory(t, tokenizer) for t in trajectories]

@@ -14,7 +14,8 @@ Held-out sets (written once, scored identically for every model, so differences 
                      formats training uses): `worlds_train_pool_32`, a diagnostic that separates "the
                      memory does not work" from "it does not transfer to unseen formats".
   memory episodes    fresh memory-family episodes (generator seeds of the split's namespace) whose
-                     task prompt appears nowhere in the training split; kept until >= `num_memory`
+                     task prompt appears nowhere in the training split (held-out episodes may share
+                     a prompt, never a world); kept until >= `num_memory`
                      memory-check rounds (the action must reproduce an earlier observed fact).
   recovery episodes  fresh error_recovery episodes, same rule, until >= `num_recovery` recovery rounds
                      (the action right after a failing command).
@@ -53,18 +54,22 @@ def _prompt(traj: dict) -> str:
 
 def fresh_episodes(family: str, seed: int, train_prompts: set[str], *, min_units: int, units_of) -> tuple[list[dict], int]:
     """Generate `family` episodes (batches of GENERATE_BATCH, generator seeds seed, seed+1, ...) and keep
-    those whose prompt is not a training prompt (nor an earlier kept one), until their units
-    (`units_of(traj)`, e.g. recovery rounds) reach `min_units`. Returns (episodes, generated count)."""
+    those whose prompt is not a training prompt, until their units (`units_of(traj)`, e.g. recovery
+    rounds) reach `min_units`. Returns (episodes, generated count).
+
+    Two held-out episodes may share a prompt (a family has only so many task texts: error recovery
+    has under 200 that training never uses) but never their world: an episode whose messages repeat
+    a kept one's is dropped."""
     from ds_ttt.data.generator import generate
 
-    kept, seen, units, generated = [], set(train_prompts), 0, 0
+    kept, seen, units, generated = [], set(), 0, 0
     for b in range(MAX_BATCHES):
         for traj in generate(GENERATE_BATCH, seed=seed + b, family=family):
             generated += 1
-            p = _prompt(traj)
-            if p in seen or not units_of(traj):
+            body = json.dumps(traj["messages"], sort_keys=True)
+            if _prompt(traj) in train_prompts or body in seen or not units_of(traj):
                 continue
-            seen.add(p)
+            seen.add(body)
             kept.append(traj)
             units += units_of(traj)
             if units >= min_units:

@@ -11,7 +11,7 @@ the trajectories.jsonl copy of each trajectory and lists the ATIF copies as dupl
 The commands run in `ds_ttt.data.sandbox.Sandbox` (no network, writes confined to the sandbox, a
 process cap, every process killed afterwards: docs/data.md). Where its namespaces are unavailable
 this refuses (exit 2) and says why; --no-isolation accepts running without them, and each
-trajectory records the isolation used in meta.isolation ("unshare" or "none").
+trajectory records the isolation used in meta.isolation ("bwrap" or "none").
 """
 
 import sys

@@ -10,10 +10,12 @@ inner update per tool result). See docs/harbor.md.
 
 The loop is the training loop's (the data generator's and `ds_ttt.serve.runner`'s):
   * messages = the generator's system prompt + the task instruction, tools = its `bash` tool;
-  * every reply's tool calls run as `bash -c COMMAND` (stderr merged into stdout, stdin closed) in the
-    task's environment through `environment.exec`, at the task's workdir; the tool result is the
-    sandbox's `format_observation` of it (exit code / timeout notes, long output cut), exactly what the
-    model saw in training; each command starts fresh (no shell state carries over, as in training);
+  * every reply's tool calls run in the task's environment (stderr merged into stdout, stdin closed):
+    in ds_ttt's SandboxEnvironment through its persistent shell, as the generator's episodes run
+    (`cd`, exports and background jobs carry over, as in a terminal); elsewhere through
+    `environment.exec` at the task's workdir, a fresh shell per command. The tool result is the
+    sandbox's `format_observation` of it (exit code / timeout notes, long output cut), what the model
+    saw in training;
   * the conversation goes back to the server with the `session_id` its first reply named, so that TTT
     session observes each tool result (one inner step on the fast weights) before it generates the
     next action (a reply from another session — the server found the history diverged — is an error);
@@ -208,7 +210,10 @@ class TTTAgent(BaseAgent):
                                    "it with `python -m ds_ttt.serve.http --model EXPORT` or pass --ak server_url=...") from e
 
     async def _run_command(self, environment: BaseEnvironment, command: str) -> str:
-        try:
+        if hasattr(environment, "shell"):  # ds_ttt's SandboxEnvironment: one persistent shell per episode
+            result = await environment.shell(command, timeout_sec=self.settings.command_timeout_sec)
+            return format_observation(result, max_chars=self.settings.max_output_chars)
+        try:  # other environments (docker, ...): a fresh shell per command through Harbor's exec
             # stderr into stdout in order, as the training sandbox captured it
             result = await environment.exec(f"exec 2>&1\n{command}", timeout_sec=self.settings.command_timeout_sec)
         except RuntimeError as e:

@@ -70,6 +70,12 @@ async def probe(environment_dir: Path, scratch: Path) -> dict:
     out["shell"] = (await env.shell("echo $PWD $KEPT")).output
     out["shell_timeout"] = (await env.shell("sleep 30; echo never", timeout_sec=1)).timed_out
     out["shell_after"] = (await env.shell("echo $PWD $KEPT")).output
+    # the TTT agent's commands go through that persistent shell: a `cd` or export carries to its next command
+    from ds_ttt.serve.harbor_agent import TTTAgent
+
+    agent = TTTAgent(logs_dir=scratch / "agent-logs", server_url="http://127.0.0.1:9/v1")
+    await agent._run_command(env, "cd /var/tmp && export AGENT_KEPT=1")
+    out["agent_shell"] = await agent._run_command(env, "echo $PWD $AGENT_KEPT")
 
     src = scratch / "upload"
     (src / "sub").mkdir(parents=True)

@@ -89,6 +89,9 @@ SANDBOX_UID = 1000  # the uid inside; it has no capabilities
 HOST_UID_FOR_ROOT = 65534  # bwrap runs as this uid when the caller is root (the kernel exempts root from RLIMIT_NPROC)
 MAX_OUTPUT_BYTES = 1 << 20  # what the host reads of one command's output before killing it
 MAX_PROCESSES = 256  # RLIMIT_NPROC inside (threads count)
+BOMB_FRACTION = 0.25  # leftover processes at or above this share of MAX_PROCESSES are killed as a fork bomb
+LIMIT_RECHECK_SEC = 0.02  # a background bomb below the limit when its command ends is there this much later
+KILL_ROUNDS_SEC = 3.0  # how long a command's leftover processes are stopped and killed, round after round
 MAX_FILE_BYTES = 256 << 20  # RLIMIT_FSIZE: the largest file a command may write
 MAX_MEMORY_BYTES = 4 << 30  # RLIMIT_AS per process
 MAX_CPU_SECONDS = 600  # RLIMIT_CPU per process
@@ -261,10 +264,10 @@ def _inner_pid(pid: int) -> int | None:
     return None
 
 
-def _kill(procs) -> None:
+def _kill(procs, sig: int = signal.SIGKILL) -> None:
     for pid, _start in procs:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
@@ -551,6 +554,13 @@ class Sandbox:
         cap = self.max_output_bytes if max_output_bytes is None else max_output_bytes
         out, err = bytearray(), bytearray()
         self._drain(self._out, out, cap)  # what background jobs printed since the last command comes first
+        if self.isolation == "bwrap" and self._at_process_limit():
+            # an earlier command's background fork bomb grew after that command ended: kill it, and drop
+            # what it printed since (its "fork: retry" noise is not this command's output)
+            self._kill_new(set())
+            time.sleep(0.05)
+            self._drain(self._out, bytearray(), 1 << 30)
+            self._drain(self._err, bytearray(), 1 << 30)
         before = set(_tree(self._proc.pid))
         request = f"{kind}\0{payload}\0".encode()
         while request:  # the shell reads as we write; a long command needs more than one pipe buffer
@@ -595,7 +605,8 @@ class Sandbox:
                 self._stop()
                 lost = self.isolation == "bwrap"
         at_limit = False
-        if self._proc is not None and self.isolation == "bwrap" and len(_tree(self._proc.pid)) >= 0.9 * self.max_processes:
+        if self._proc is not None and self.isolation == "bwrap" and (
+                self._at_process_limit() or (time.sleep(LIMIT_RECHECK_SEC) is None and self._at_process_limit())):
             at_limit = True  # a fork bomb in the background would hold the sandbox at its limit for good
             self._kill_new(before)
             time.sleep(0.05)  # let the dying processes' last output arrive
@@ -683,13 +694,24 @@ class Sandbox:
             if len(buf) > cap:
                 return
 
+    def _at_process_limit(self) -> bool:
+        """Is the sandbox running a fork bomb's worth of processes? (BOMB_FRACTION of its limit: far
+        more than the background jobs a task leaves, long before the bomb has filled the table)"""
+        return len(_tree(self._proc.pid)) >= BOMB_FRACTION * self.max_processes
+
     def _kill_new(self, before: set[tuple[int, int]]) -> None:
-        """SIGKILL every process of the sandbox that is not the supervisor, the shell or from an earlier command."""
+        """SIGKILL every process of the sandbox that is not the supervisor, the shell or from an earlier command.
+
+        A fork bomb refills the process table as fast as processes die, so each round first stops
+        (SIGSTOP) every victim, which can then fork no more, and only then kills them; rounds repeat
+        until none is left or KILL_ROUNDS_SEC has passed."""
         keep = before | {self._supervisor, self._driver}
-        for _ in range(50):
+        deadline = time.monotonic() + KILL_ROUNDS_SEC
+        while time.monotonic() < deadline:
             victims = [p for p in _tree(self._proc.pid) if p not in keep]
             if not victims:
                 return
+            _kill(victims, signal.SIGSTOP)
             _kill(victims)
             time.sleep(0.002)
 

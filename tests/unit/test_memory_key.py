@@ -232,6 +232,7 @@ def test_serving_equals_training_with_a_shift(policy, levers):
     from ds_ttt.data.tokenizer import load_tokenizer
     from ds_ttt.evaluation.runner import evaluate_trajectory
     from ds_ttt.serve import AgentModel, AgentSession
+    from tests.unit.test_serve import replay
 
     tok = load_tokenizer()
     torch.manual_seed(0)
@@ -246,18 +247,7 @@ def test_serving_equals_training_with_a_shift(policy, levers):
     traj = generate_memory_world(5, num_distractors=1)
     agent = AgentModel(model, tok)
     session = AgentSession(agent)
-    msgs = traj["messages"]
-    session.reset(msgs[1]["content"], system=msgs[0]["content"], tools=traj["tools"])
-    i = 2
-    while i < len(msgs):
-        session.act(force=msgs[i])
-        i += 1
-        outs = []
-        while i < len(msgs) and msgs[i]["role"] == "tool":
-            outs.append(msgs[i]["content"])
-            i += 1
-        if outs:
-            session.observe(outs)
+    replay(session, traj)  # act(force=...) / observe per round, as tests/unit/test_serve.py replays
     rendered = render_trajectory(traj, tok)
     metrics, _ = evaluate_trajectory(model, rendered, "ttt", tokenizer=tok)
     for h, m in zip(session.history, [m for m in metrics if m.round > 0]):

@@ -27,7 +27,7 @@ step is reported with FLOP/s counted two ways, both named:
     useful_tflops    the model above, 50·N²·D per query head halved for causal (what the
                      benchmark's rows use; the same numerator for every method);
     executed_tflops  the GEMMs the kernels issue: per tile pair fwd 2, bwd row 3, bwd col 4,
-                     BoB stats 5, BoB row 9, BoB col 8 (KERNEL_GEMMS, from the kernel source's
+                     BoB stats 7, BoB row 7, BoB col 8 (KERNEL_GEMMS, from the kernel source's
                      header), 2·BM·BN·D FLOPs each, 31 GEMMs = 62·N²·D per head, halved for
                      causal (the diagonal tiles' masked half, ~BM/N more, is not counted).
 Per kernel only the executed count exists (the useful model has no per-kernel split).
@@ -69,8 +69,8 @@ FLOP_MODEL = ("per query head: fwd 4·N²·D, bwd 10·N²·D, bwd-over-bwd 36·N
 OUTPUT_NAMES = ("o", "q_bar", "k_bar", "v_bar", "do_bar")
 # GEMMs per (row block, column tile) pair that each kernel issues with all three tangents nonzero
 # (flashbob_cuda_kernel.cu header; tests/unit/test_gpu_check.py ties the two together).
-KERNEL_GEMMS = {"fwd_kernel": 2, "bwd_row_kernel": 3, "bwd_col_kernel": 4, "bob_stats_kernel": 5,
-                "bob_row_kernel": 9, "bob_col_kernel": 8}
+KERNEL_GEMMS = {"fwd_kernel": 2, "bwd_row_kernel": 3, "bwd_col_kernel": 4, "bob_stats_kernel": 7,
+                "bob_row_kernel": 7, "bob_col_kernel": 8}
 USEFUL_PER_STEP = 4 + 10 + 36  # ·N²·D per query head
 EXECUTED_PER_STEP = 2 * sum(KERNEL_GEMMS.values())  # 62 ·N²·D per query head
 TRIPWIRE_REL_ERR = 5e-2

@@ -59,8 +59,8 @@ MAX_MISMATCHES = 32  # listed per case (the count is always complete)
 KERNEL_OUTPUTS = {
     "fwd": [("fwd_kernel", ("o",))],
     "bwd": [("bwd_row_kernel", ("dq",)), ("bwd_col_kernel", ("dk", "dv"))],
-    "bwd_bwd": [("bob_stats_kernel", ("delta", "alpha", "e0")),
-                ("bob_row_kernel", ("qbar", "dobar")), ("bob_col_kernel", ("kbar", "vbar"))],
+    "bwd_bwd": [("bob_stats_kernel", ("delta", "alpha", "e0", "dobar")),
+                ("bob_row_kernel", ("qbar",)), ("bob_col_kernel", ("kbar", "vbar"))],
 }
 KERNELS = [k for steps in KERNEL_OUTPUTS.values() for k, _ in steps]
 FACTORS = dict(o=2.0, dq=3.0, dk=3.0, dv=3.0, qbar=4.0, kbar=4.0, vbar=4.0, dobar=4.0,

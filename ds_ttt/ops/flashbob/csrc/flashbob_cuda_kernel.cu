@@ -6,13 +6,16 @@
 //   fwd_kernel        row     -> O, stats (m2, 1/l)                 2 GEMMs per tile pair
 //   bwd_row_kernel    row     -> dQ, D = <dO, O>                    3
 //   bwd_col_kernel    column  -> dK, dV                             4
-//   bob_stats_kernel  row     -> D, α = Σ P∘F, E° = Σ P∘P̄°          5
-//   bob_row_kernel    row     -> Q̄ = τ(S̄·K + dS·U_K), dŌ = P·U_V + (P∘F)·V − α∘O    5 + 4
-//   bob_col_kernel    column  -> K̄ = τ(S̄ᵀ·Q + dSᵀ·U_Q), V̄ = (P∘h)ᵀ·dO              5 + 3
+//   bob_stats_kernel  row     -> D, α = Σ P∘F, E° = Σ P∘P̄°, dŌ = P·U_V + (P∘F)·V − α∘O    5 + 2
+//   bob_row_kernel    row     -> Q̄ = τ(S̄·K + dS·U_K)                                     5 + 2
+//   bob_col_kernel    column  -> K̄ = τ(S̄ᵀ·Q + dSᵀ·U_Q), V̄ = (P∘h)ᵀ·dO                   5 + 3
 // with S̄ = P∘(P̄° − α·(dP − D) − E°) = P∘(P̄ − E). The BoB runs the row-scalar pass first so that
 // both output passes can form S̄ per element in fp32 before any rounding: Q̄ and K̄ are then plain
-// sums of products (no Ω − α∘R − E°∘B cancellation of separately rounded tiles), and each output
-// pass keeps only two accumulators.
+// sums of products (no Ω − α∘R − E°∘B cancellation of separately rounded tiles). dŌ needs no E°
+// and α only in its last term, so the scalar pass also forms it; then each row pass keeps one
+// D-wide accumulator and the column pass two, which fits the register file at D = 128 without
+// spilling (benchmarks/gpu/logs/cuobjdump_resource_usage.txt). The five score products of a tile
+// share the fragments of the operands they have in common (bob_scores).
 //
 // GQA / MQA by head packing: the G = Hq/Hkv query heads of a kv head form one row space of G·Nq
 // packed rows (row m = position m/G of head hk·G + m%G). Row blocks mix heads and load each K/V
@@ -78,6 +81,34 @@ __device__ __forceinline__ RowBlock row_block(const Geo& g, int BM) {
   return r;
 }
 
+__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {  // b > 0
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+// The iterations [lo, hi) of a row block's key stream (tile it = keys c_lo + it·BN ...) whose
+// tiles are fully visible and full-sized, so they skip the per-element mask. Worked out once per
+// block from Geo's rule (Geo::classify) as two 32-bit bounds, rather than classifying each tile
+// from the block's 64-bit positions: those stayed live across the key loop, and at D = 128 the
+// BoB row kernel spilled one.
+struct FullTiles {
+  int lo, hi;
+  __device__ __forceinline__ bool has(int it) const { return it >= lo && it < hi; }
+};
+__device__ __forceinline__ FullTiles full_key_tiles(const Geo& g, const RowBlock& rb, int BN,
+                                                    int n_tiles) {
+  int64_t lo = 0, hi = floor_div(g.Nk - BN - rb.c_lo, BN) + 1;  // c0 + BN <= Nk
+  if (g.causal) {
+    const int64_t qk = g.q_off - g.k_off;
+    // dmin >= 0: the last key is visible to the first row, c0 + BN - 1 <= p_lo + qk
+    hi = imin(hi, floor_div(rb.p_lo + qk - BN + 1 - rb.c_lo, BN) + 1);
+    // dmax < window: the first key is inside the last row's window, c0 > p_hi - 1 + qk - window
+    if (g.window > 0) lo = floor_div(rb.p_hi - 1 + qk - g.window - rb.c_lo, BN) + 1;
+  }
+  lo = imax(lo, 0);
+  hi = imin(hi, n_tiles);
+  return FullTiles{(int)lo, (int)imax(hi, lo)};
+}
+
 // Column pass: keys [c0, c0 + bn) of kv group (b, hk); packed rows to stream [m_lo, m_hi).
 struct ColBlock {
   Packed pk;
@@ -97,6 +128,27 @@ __device__ __forceinline__ ColBlock col_block(const Geo& g, int BM) {
   c.m_lo = lo * g.G;
   c.m_hi = hi * g.G;
   return c;
+}
+
+// The same for a column block's stream of packed rows (tile it = rows m_lo + it·BN ...; row m
+// has position m / G, so "position >= x" is "m >= G·x").
+__device__ __forceinline__ FullTiles full_row_tiles(const Geo& g, const ColBlock& cb, int BN,
+                                                    int n_tiles) {
+  int64_t lo = 0, hi = floor_div(cb.m_hi - BN - cb.m_lo, BN) + 1;  // m0 + BN <= m_hi
+  if (g.causal) {
+    const int64_t qk = g.q_off - g.k_off;
+    // dmin >= 0: the first row sees the last key, pos(m0) >= c0 + bn - 1 - qk
+    const int64_t x = cb.c0 + cb.bn - 1 - qk;
+    lo = floor_div(g.G * x - cb.m_lo + BN - 1, BN);
+    // dmax < window: the last row's window holds the first key, pos(m0 + BN - 1) <= y
+    if (g.window > 0) {
+      const int64_t y = g.window - 1 + cb.c0 - qk;
+      hi = imin(hi, floor_div(g.G * (y + 1) - BN - cb.m_lo, BN) + 1);
+    }
+  }
+  lo = imax(lo, 0);
+  hi = imin(hi, n_tiles);
+  return FullTiles{(int)lo, (int)imax(hi, lo)};
 }
 
 // The rows of a warp's tile that this thread holds: [mt][h] = local row 16·mt + g + 8h.
@@ -122,9 +174,9 @@ __device__ __forceinline__ ThreadRows<MT> thread_rows(int warp, int lane, int nv
 // i % 2 and commits them; body(i) runs once tile i (and everything committed before it) is in
 // shared memory for every thread. Groups committed before the call are complete at body(0).
 template <class Issue, class Body>
-__device__ __forceinline__ void stream_tiles(int64_t n, Issue issue, Body body) {
+__device__ __forceinline__ void stream_tiles(int n, Issue issue, Body body) {
   if (n > 0) issue(0);
-  for (int64_t it = 0; it < n; ++it) {
+  for (int it = 0; it < n; ++it) {
     if (it + 1 < n) {
       issue(it + 1);
       fbmma::cp_async_wait<1>();
@@ -166,7 +218,7 @@ __device__ __forceinline__ void row_delta(float (&dl)[MT][2], const T* o, const 
 
 // ------------------------------------------------------------------------------- forward
 template <typename T, int D, class TL>
-__global__ void __launch_bounds__(TL::NT) fwd_kernel(const T* __restrict__ q,
+__global__ void __launch_bounds__(TL::NT, 1) fwd_kernel(const T* __restrict__ q,
                                                      const T* __restrict__ k,
                                                      const T* __restrict__ v, T* __restrict__ o,
                                                      float* __restrict__ stats, Geo g) {
@@ -202,19 +254,19 @@ __global__ void __launch_bounds__(TL::NT) fwd_kernel(const T* __restrict__ q,
       l_run[mt][h] = 0.f;
     }
   zero(acc);
-  const int64_t n_tiles = (rb.c_hi - rb.c_lo + BN - 1) / BN;
-  auto issue = [&](int64_t it) {
-    const int64_t c0 = rb.c_lo + it * BN;
-    const int bn = (int)imin(BN, g.Nk - c0), buf = (int)(it % 2);
+  const int n_tiles = (int)((rb.c_hi - rb.c_lo + BN - 1) / BN);
+  const FullTiles ft = full_key_tiles(g, rb, BN, n_tiles);
+  auto issue = [&](int it) {
+    const int64_t c0 = rb.c_lo + (int64_t)it * BN;
+    const int bn = (int)imin(BN, g.Nk - c0), buf = it % 2;
     load_rows_async<T, D, BN, NT>(Ks + buf * BN * L, K + c0 * D, bn);
     load_rows_async<T, D, BN, NT>(Vs + buf * BN * L, V + c0 * D, bn);
     fbmma::cp_async_commit();
   };
-  auto body = [&](int64_t it) {
-    const int64_t c0 = rb.c_lo + it * BN;
-    const int bn = (int)imin(BN, g.Nk - c0), buf = (int)(it % 2);
-    const int cls = g.classify(rb.p_lo, rb.p_hi, c0, c0 + bn);
-    const bool full = cls == 2 && bn == BN;
+  auto body = [&](int it) {
+    const int64_t c0 = rb.c_lo + (int64_t)it * BN;
+    const int bn = (int)imin(BN, g.Nk - c0), buf = it % 2;
+    const bool full = ft.has(it);
     float s[MT][NB][4];
     zero(s);
     gemm_abt<T, D, MT, NB>(s, Qs + warp * 16 * MT * L, Ks + buf * BN * L, lane);
@@ -229,7 +281,7 @@ __global__ void __launch_bounds__(TL::NT) fwd_kernel(const T* __restrict__ q,
           for (int e = 0; e < 2; ++e) {
             const int c = nb * 8 + 2 * tq + e;
             const bool ok = tr.valid[mt][h] &&
-                            (full || (c < bn && (cls == 2 || g.visible(pos[mt][h], c0 + c))));
+                            (full || (c < bn && g.visible(pos[mt][h], c0 + c)));
             const float x = ok ? s[mt][nb][2 * h + e] * scale2 : -INFINITY;
             s[mt][nb][2 * h + e] = x;
             mx = fmaxf(mx, x);
@@ -281,7 +333,7 @@ __global__ void __launch_bounds__(TL::NT) fwd_kernel(const T* __restrict__ q,
 
 // ------------------------------------------------------------------------------- first backward
 template <typename T, int D, class TL>
-__global__ void __launch_bounds__(TL::NT) bwd_row_kernel(
+__global__ void __launch_bounds__(TL::NT, 1) bwd_row_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ o, const float* __restrict__ stats, const T* __restrict__ dout,
     T* __restrict__ dq, float* __restrict__ delta, Geo g) {
@@ -321,19 +373,19 @@ __global__ void __launch_bounds__(TL::NT) bwd_row_kernel(
 
   float acc[MT][DB][4];
   zero(acc);
-  const int64_t n_tiles = (rb.c_hi - rb.c_lo + BN - 1) / BN;
-  auto issue = [&](int64_t it) {
-    const int64_t c0 = rb.c_lo + it * BN;
-    const int bn = (int)imin(BN, g.Nk - c0), buf = (int)(it % 2);
+  const int n_tiles = (int)((rb.c_hi - rb.c_lo + BN - 1) / BN);
+  const FullTiles ft = full_key_tiles(g, rb, BN, n_tiles);
+  auto issue = [&](int it) {
+    const int64_t c0 = rb.c_lo + (int64_t)it * BN;
+    const int bn = (int)imin(BN, g.Nk - c0), buf = it % 2;
     load_rows_async<T, D, BN, NT>(Ks + buf * BN * L, K + c0 * D, bn);
     load_rows_async<T, D, BN, NT>(Vs + buf * BN * L, V + c0 * D, bn);
     fbmma::cp_async_commit();
   };
-  auto body = [&](int64_t it) {
-    const int64_t c0 = rb.c_lo + it * BN;
-    const int bn = (int)imin(BN, g.Nk - c0), buf = (int)(it % 2);
-    const int cls = g.classify(rb.p_lo, rb.p_hi, c0, c0 + bn);
-    const bool full = cls == 2 && bn == BN;
+  auto body = [&](int it) {
+    const int64_t c0 = rb.c_lo + (int64_t)it * BN;
+    const int bn = (int)imin(BN, g.Nk - c0), buf = it % 2;
+    const bool full = ft.has(it);
     float s[MT][NB][4], dp[MT][NB][4];
     zero(s);
     zero(dp);
@@ -347,7 +399,7 @@ __global__ void __launch_bounds__(TL::NT) bwd_row_kernel(
         for (int e = 0; e < 4; ++e) {
           const int h = e / 2, c = nb * 8 + 2 * tq + e % 2;
           const bool ok = tr.valid[mt][h] &&
-                          (full || (c < bn && (cls == 2 || g.visible(pos[mt][h], c0 + c))));
+                          (full || (c < bn && g.visible(pos[mt][h], c0 + c)));
           const float p = prob(s[mt][nb][e], scale2, m2[mt][h], il[mt][h], ok);
           dp[mt][nb][e] = p * (dp[mt][nb][e] - dl[mt][h]);  // dS
         }
@@ -370,27 +422,39 @@ __global__ void __launch_bounds__(TL::NT) bwd_row_kernel(
     }
 }
 
-// Per-row scalars of one streamed tile of packed rows, into shared arrays (column passes).
-struct ColScalars {
-  float *m2, *il, *dl, *al, *e0;  // al/e0 may be null (first backward)
+// Per-row fp32 scalars of a tile of packed rows, in shared memory: st holds the row stats as pairs
+// (m2, 1/l), 2·n floats; dl, al, e0 hold D, α, E° (null where a pass does not read them). The
+// column passes keep one per streamed tile, the BoB row kernel one for its own rows.
+// load_row_scalars issues them as cp.async copies (8 bytes per stats pair, 4 per scalar) into
+// the caller's open group, so they arrive with the tile's rows instead of stalling every thread
+// on a synchronous gather; rows >= nvalid are zero-filled, and 1/l = 0 gives P = 0.
+struct RowScalars {
+  float *st, *dl, *al, *e0;
+  __device__ __forceinline__ float m2(int r) const { return st[2 * r]; }
+  __device__ __forceinline__ float il(int r) const { return st[2 * r + 1]; }
+  // floats for n rows: st, dl and (BoB) al, e0
+  static constexpr int floats(int n, bool bob) { return (bob ? 5 : 3) * n; }
+  __device__ static RowScalars at(float* base, int n, bool bob) {
+    return RowScalars{base, base + 2 * n, bob ? base + 3 * n : nullptr,
+                      bob ? base + 4 * n : nullptr};
+  }
 };
-__device__ __forceinline__ void load_col_scalars(const ColScalars& cs, int BN, int NT,
+__device__ __forceinline__ void load_row_scalars(const RowScalars& cs, int n, int NT,
                                                  const Packed& pk, int64_t m0, int nvalid,
                                                  const float* stats, const float* delta,
                                                  const float* alpha, const float* e0) {
-  for (int r = threadIdx.x; r < BN; r += NT) {
+  for (int r = threadIdx.x; r < n; r += NT) {
     const bool ok = r < nvalid;
     const int64_t i = ok ? pk.row(m0 + r) : 0;
-    cs.m2[r] = ok ? stats[i * 2] : INFINITY;
-    cs.il[r] = ok ? stats[i * 2 + 1] : 0.f;
-    cs.dl[r] = ok ? delta[i] : 0.f;
-    if (cs.al) cs.al[r] = ok ? alpha[i] : 0.f;
-    if (cs.e0) cs.e0[r] = ok ? e0[i] : 0.f;
+    fbmma::cp_async_8_zfill(cs.st + 2 * r, stats + 2 * i, ok);
+    if (cs.dl) fbmma::cp_async_4_zfill(cs.dl + r, delta + i, ok);
+    if (cs.al) fbmma::cp_async_4_zfill(cs.al + r, alpha + i, ok);
+    if (cs.e0) fbmma::cp_async_4_zfill(cs.e0 + r, e0 + i, ok);
   }
 }
 
 template <typename T, int D, class TL>
-__global__ void __launch_bounds__(TL::NT) bwd_col_kernel(
+__global__ void __launch_bounds__(TL::NT, 1) bwd_col_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ stats, const T* __restrict__ dout, const float* __restrict__ delta,
     T* __restrict__ dk, T* __restrict__ dv, Geo g) {
@@ -401,7 +465,7 @@ __global__ void __launch_bounds__(TL::NT) bwd_col_kernel(
   T* Vs = Ks + BM * L;
   T* Qs = Vs + BM * L;  // [2][BN * L]
   T* dOs = Qs + 2 * BN * L;
-  float* sc = reinterpret_cast<float*>(dOs + 2 * BN * L);  // [3][2][BN]
+  float* sc = reinterpret_cast<float*>(dOs + 2 * BN * L);  // [2][RowScalars::floats(BN)]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tq = lane % 4;
   const ColBlock cb = col_block(g, BM);
   const float scale2 = g.scale * kLog2e;
@@ -410,27 +474,27 @@ __global__ void __launch_bounds__(TL::NT) bwd_col_kernel(
   load_rows_async<T, D, BM, NT>(Vs, v + cb.kv0 * D, cb.bn);
   fbmma::cp_async_commit();
   auto scal = [&](int buf) {
-    return ColScalars{sc + buf * BN, sc + (2 + buf) * BN, sc + (4 + buf) * BN, nullptr, nullptr};
+    return RowScalars::at(sc + buf * RowScalars::floats(BN, false), BN, false);
   };
 
   float dk_acc[MT][DB][4], dv_acc[MT][DB][4];
   zero(dk_acc);
   zero(dv_acc);
-  const int64_t n_tiles = (cb.m_hi - cb.m_lo + BN - 1) / BN;
-  auto issue = [&](int64_t it) {
-    const int64_t m0 = cb.m_lo + it * BN;
-    const int nv = (int)imin(BN, cb.m_hi - m0), buf = (int)(it % 2);
+  const int n_tiles = (int)((cb.m_hi - cb.m_lo + BN - 1) / BN);
+  const FullTiles ft = full_row_tiles(g, cb, BN, n_tiles);
+  auto issue = [&](int it) {
+    const int64_t m0 = cb.m_lo + (int64_t)it * BN;
+    const int nv = (int)imin(BN, cb.m_hi - m0), buf = it % 2;
     load_packed_async<T, D, BN, NT>(Qs + buf * BN * L, q, cb.pk, m0, nv);
     load_packed_async<T, D, BN, NT>(dOs + buf * BN * L, dout, cb.pk, m0, nv);
+    load_row_scalars(scal(buf), BN, NT, cb.pk, m0, nv, stats, delta, nullptr, nullptr);
     fbmma::cp_async_commit();
-    load_col_scalars(scal(buf), BN, NT, cb.pk, m0, nv, stats, delta, nullptr, nullptr);
   };
-  auto body = [&](int64_t it) {
-    const int64_t m0 = cb.m_lo + it * BN;
-    const int nv = (int)imin(BN, cb.m_hi - m0), buf = (int)(it % 2);
-    const ColScalars cs = scal(buf);
-    const int cls = g.classify(cb.pk.pos(m0), cb.pk.pos(m0 + nv - 1) + 1, cb.c0, cb.c0 + cb.bn);
-    const bool full = cls == 2 && nv == BN;
+  auto body = [&](int it) {
+    const int64_t m0 = cb.m_lo + (int64_t)it * BN;
+    const int nv = (int)imin(BN, cb.m_hi - m0), buf = it % 2;
+    const RowScalars cs = scal(buf);
+    const bool full = ft.has(it);
     float s[MT][NB][4], dp[MT][NB][4];  // transposed: rows keys, columns packed query rows
     zero(s);
     zero(dp);
@@ -445,9 +509,8 @@ __global__ void __launch_bounds__(TL::NT) bwd_col_kernel(
           const int h = e / 2, c = nb * 8 + 2 * tq + e % 2;
           const bool ok =
               tr.valid[mt][h] &&
-              (full || (c < nv && (cls == 2 || g.visible(cb.pk.pos(m0 + c),
-                                                         cb.c0 + tr.local[mt][h]))));
-          const float p = prob(s[mt][nb][e], scale2, cs.m2[c], cs.il[c], ok);
+              (full || (c < nv && g.visible(cb.pk.pos(m0 + c), cb.c0 + tr.local[mt][h])));
+          const float p = prob(s[mt][nb][e], scale2, cs.m2(c), cs.il(c), ok);
           s[mt][nb][e] = p;
           dp[mt][nb][e] = p * (dp[mt][nb][e] - cs.dl[c]);  // dSᵀ
         }
@@ -475,33 +538,105 @@ __global__ void __launch_bounds__(TL::NT) bwd_col_kernel(
 }
 
 // ------------------------------------------------------------------------------- BoB
-// The four score tiles of the BoB, for a warp's rows: s = A_s·B_sᵀ (S), dp (dP), f (F unscaled,
-// sum of two products, each skipped when its tangent is absent), c (C). Row passes pass
-// (Q, K), (dO, V), (U_Q, K) + (Q, U_K), (dO, U_V); column passes the transposes
-// (K, Q), (V, dO), (K, U_Q) + (U_K, Q), (U_V, dO).
-template <typename T, int D, int MT, int NB>
+// The BoB's score tiles for a warp's rows: s = S, dp = dP, f = F unscaled (two products, each
+// skipped when its tangent is absent) and, with WITH_C, c = C. A holds the warp's own rows of the
+// block's operands (at the warp's first row), B the streamed tile's:
+//   row pass (ROW):   A = {Q, dO, U_Q},  B = {K, V, U_K, U_V}
+//   column pass:      A = {K, V, U_K},   B = {Q, dO, U_Q}
+// so that in both S = A0·B0ᵀ, F = A2·B0ᵀ + A0·B2ᵀ, dP = A1·B1ᵀ, and C = A1·B3ᵀ (row pass only).
+// Fragments that two products share are loaded once per k-step instead of once per product: A0
+// and B0 (S and F), and in the row pass A1 (dP and C). Two sweeps over k: S and F (holding A0,
+// A2), then dP and C (holding A1), so at most two A fragments per m-tile are live while B
+// fragments stream; each B fragment dies after its (at most two) mma. With every tangent a
+// k-step issues 3·MT + 4·NB/2 ldmatrix.x4 (row, with C) or 3·MT + 3·NB/2 (without C) for its
+// mma, where one GEMM per product issued (MT + NB/2) per product.
+template <typename T, int D, int MT, int NB, bool ROW, bool WITH_C>
 __device__ __forceinline__ void bob_scores(float (&s)[MT][NB][4], float (&dp)[MT][NB][4],
                                            float (&f)[MT][NB][4], float (&c)[MT][NB][4],
-                                           const T* sA, const T* sB, const T* dpA, const T* dpB,
-                                           const T* f1A, const T* f1B, const T* f2A,
-                                           const T* f2B, const T* cA, const T* cB, bool has_f1,
-                                           bool has_f2, bool has_c, int lane) {
+                                           const T* A0, const T* A1, const T* A2, const T* B0,
+                                           const T* B1, const T* B2, const T* B3, bool has_uq,
+                                           bool has_uk, bool has_uv, int lane) {
+  static_assert(NB % 2 == 0, "score tiles have an even number of 8-column blocks");
+  static_assert(ROW || !WITH_C, "the column pass computes C on its own (bob_col_kernel)");
+  constexpr int L = Smem<D>::LDS;
+  // A2 carries U_Q (row) / U_K (column) and meets B0; B2 the other one, and meets A0.
+  const bool use_a2 = ROW ? has_uq : has_uk, use_b2 = ROW ? has_uk : has_uq;
+  const bool use_c = WITH_C && has_uv;
   zero(s);
   zero(dp);
   zero(f);
-  zero(c);
-  gemm_abt<T, D, MT, NB>(s, sA, sB, lane);
-  gemm_abt<T, D, MT, NB>(dp, dpA, dpB, lane);
-  if (has_f1) gemm_abt<T, D, MT, NB>(f, f1A, f1B, lane);
-  if (has_f2) gemm_abt<T, D, MT, NB>(f, f2A, f2B, lane);
-  if (has_c) gemm_abt<T, D, MT, NB>(c, cA, cB, lane);
+  if constexpr (WITH_C) zero(c);
+  const int a_off = ((lane % 8) + 8 * ((lane / 8) % 2)) * L + 8 * (lane / 16);
+  const int b_off = ((lane % 8) + 8 * (lane / 16)) * L + 8 * ((lane / 8) % 2);
+#pragma unroll
+  for (int k0 = 0; k0 < D; k0 += 16) {  // S and F
+    uint32_t a0[MT][4], a2[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int o = mt * 16 * L + k0 + a_off;
+      fbmma::ldmatrix_x4(a0[mt][0], a0[mt][1], a0[mt][2], a0[mt][3], A0 + o);
+      if (use_a2) fbmma::ldmatrix_x4(a2[mt][0], a2[mt][1], a2[mt][2], a2[mt][3], A2 + o);
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; nb += 2) {
+      const int o = nb * 8 * L + k0 + b_off;
+      uint32_t b0[2], b1[2];
+      fbmma::ldmatrix_x4(b0[0], b0[1], b1[0], b1[1], B0 + o);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        TC<T>::mma(s[mt][nb], a0[mt], b0);
+        TC<T>::mma(s[mt][nb + 1], a0[mt], b1);
+        if (use_a2) {
+          TC<T>::mma(f[mt][nb], a2[mt], b0);
+          TC<T>::mma(f[mt][nb + 1], a2[mt], b1);
+        }
+      }
+      if (use_b2) {
+        fbmma::ldmatrix_x4(b0[0], b0[1], b1[0], b1[1], B2 + o);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          TC<T>::mma(f[mt][nb], a0[mt], b0);
+          TC<T>::mma(f[mt][nb + 1], a0[mt], b1);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int k0 = 0; k0 < D; k0 += 16) {  // dP and C
+    uint32_t a1[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      fbmma::ldmatrix_x4(a1[mt][0], a1[mt][1], a1[mt][2], a1[mt][3],
+                         A1 + mt * 16 * L + k0 + a_off);
+#pragma unroll
+    for (int nb = 0; nb < NB; nb += 2) {
+      const int o = nb * 8 * L + k0 + b_off;
+      uint32_t b0[2], b1[2];
+      fbmma::ldmatrix_x4(b0[0], b0[1], b1[0], b1[1], B1 + o);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        TC<T>::mma(dp[mt][nb], a1[mt], b0);
+        TC<T>::mma(dp[mt][nb + 1], a1[mt], b1);
+      }
+      if (use_c) {
+        fbmma::ldmatrix_x4(b0[0], b0[1], b1[0], b1[1], B3 + o);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          TC<T>::mma(c[mt][nb], a1[mt], b0);
+          TC<T>::mma(c[mt][nb + 1], a1[mt], b1);
+        }
+      }
+    }
+  }
 }
 
-// Shared-memory layout of the two BoB row passes: own Q, dO, U_Q; streamed K, V, U_K, U_V.
+// Shared-memory layout of the two BoB row passes: own Q, dO, U_Q and the own rows' scalars;
+// streamed K, V, U_K, U_V.
 template <typename T, int D, class TL>
 struct BobRowSmem {
   static constexpr int L = Smem<D>::LDS;
   T *Qs, *dOs, *UQs, *Ks, *Vs, *UKs, *UVs;
+  float* sc;  // RowScalars of the block's BM rows
   __device__ explicit BobRowSmem(unsigned char* smem) {
     Qs = reinterpret_cast<T*>(smem);
     dOs = Qs + TL::BM * L;
@@ -510,27 +645,32 @@ struct BobRowSmem {
     Vs = Ks + 2 * TL::BN * L;
     UKs = Vs + 2 * TL::BN * L;
     UVs = UKs + 2 * TL::BN * L;
+    sc = reinterpret_cast<float*>(UVs + 2 * TL::BN * L);
   }
   static constexpr size_t bytes() {
-    return Smem<D>::template tile_bytes<T>(3 * TL::BM + 8 * TL::BN);
+    return Smem<D>::template tile_bytes<T>(3 * TL::BM + 8 * TL::BN) +
+           RowScalars::floats(TL::BM, true) * sizeof(float);
   }
 };
 
-// Row pass of the BoB, two modes sharing the score code:
-//   STATS = true : bob_stats_kernel, writes D, α, E° of every row;
-//   STATS = false: bob_row_kernel, reads them and writes Q̄, dŌ.
+// Row pass of the BoB, two kernels sharing the score code, each with one D-wide accumulator:
+//   STATS = true : bob_stats_kernel, writes D, α, E° of every row and dŌ = P·U_V + (P∘F)·V − α∘O
+//                  (neither product needs α or E°, and α is complete at the end of this pass);
+//   STATS = false: bob_row_kernel, reads D, α, E° and writes Q̄ = τ(S̄·K + dS·U_K).
+// Registers set the shapes at D = 128: with both D-wide accumulators (Q̄ and dŌ) in one kernel,
+// as before, the row kernel sat at 255 registers and spilled; split this way each row-pass
+// kernel does 7 of the 14 GEMMs per tile pair and keeps 64 fp32 accumulator registers per thread.
 template <typename T, int D, class TL, bool STATS>
 __device__ __forceinline__ void bob_row_pass(const T* __restrict__ q, const T* __restrict__ k,
                                              const T* __restrict__ v, const T* __restrict__ o,
                                              const float* __restrict__ stats,
                                              const T* __restrict__ dout, const T* __restrict__ uq,
                                              const T* __restrict__ uk, const T* __restrict__ uv,
-                                             T* __restrict__ qbar, T* __restrict__ dobar,
-                                             float* __restrict__ delta,
+                                             T* __restrict__ out, float* __restrict__ delta,
                                              float* __restrict__ alpha, float* __restrict__ e0,
                                              const Geo& g) {
   constexpr int L = Smem<D>::LDS, MT = TL::MT, NB = TL::NB, BM = TL::BM, BN = TL::BN,
-                NT = TL::NT, DB = STATS ? 1 : D / 8;
+                NT = TL::NT, DB = D / 8;
   FB_DYNAMIC_SMEM(smem);
   const BobRowSmem<T, D, TL> sm(smem);
   const bool has_uq = uq != nullptr, has_uk = uk != nullptr, has_uv = uv != nullptr;
@@ -540,93 +680,97 @@ __device__ __forceinline__ void bob_row_pass(const T* __restrict__ q, const T* _
   const int64_t kv = rb.kv0 * D;
   const float scale2 = g.scale * kLog2e;
   const ThreadRows<MT> tr = thread_rows<MT>(warp, lane, rb.bm);
-  int64_t ri[MT][2], pos[MT][2];
-  float m2[MT][2], il[MT][2], dl[MT][2], al[MT][2], ee[MT][2];
+  // Per row: the 32-bit position (G·Nq < 2^31) for the mask; the row scalars (m2, 1/l, and in the
+  // row kernel D, α, E°) in shared memory, loaded with the block's rows by cp.async and read per
+  // tile; the stats kernel's running sums D, α, E° in registers. Global row indices are
+  // recomputed where the epilogue stores.
+  int pos[MT][2];
+  float dl[MT][2], al[MT][2], ee[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const bool ok = tr.valid[mt][h];
-      const int64_t i = rb.pk.row(rb.m0 + tr.local[mt][h]);
-      ri[mt][h] = i;
-      pos[mt][h] = rb.pk.pos(rb.m0 + tr.local[mt][h]);
-      m2[mt][h] = ok ? stats[i * 2] : INFINITY;
-      il[mt][h] = ok ? stats[i * 2 + 1] : 0.f;
-      al[mt][h] = (!STATS && ok) ? alpha[i] : 0.f;  // STATS: running sums
-      ee[mt][h] = (!STATS && ok) ? e0[i] : 0.f;
-      if (!STATS) dl[mt][h] = ok ? delta[i] : 0.f;
+      pos[mt][h] = (int)rb.pk.pos(rb.m0 + tr.local[mt][h]);
+      dl[mt][h] = al[mt][h] = ee[mt][h] = 0.f;
     }
+  const RowScalars rs = RowScalars::at(sm.sc, BM, true);
+  const RowScalars rs_load = STATS ? RowScalars{rs.st, nullptr, nullptr, nullptr} : rs;
   load_packed_async<T, D, BM, NT>(sm.Qs, q, rb.pk, rb.m0, rb.bm);
   load_packed_async<T, D, BM, NT>(sm.dOs, dout, rb.pk, rb.m0, rb.bm);
   if (has_uq) load_packed_async<T, D, BM, NT>(sm.UQs, uq, rb.pk, rb.m0, rb.bm);
+  load_row_scalars(rs_load, BM, NT, rb.pk, rb.m0, rb.bm, stats, delta, alpha, e0);
   fbmma::cp_async_commit();
-  if (STATS) row_delta<T, D, MT>(dl, o, dout, ri, tr, lane);
+  if constexpr (STATS) {
+    int64_t ri[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) ri[mt][h] = rb.pk.row(rb.m0 + tr.local[mt][h]);
+    row_delta<T, D, MT>(dl, o, dout, ri, tr, lane);
+  }
 
-  float qacc[MT][DB][4], oacc[MT][DB][4];  // Q̄/τ and dŌ + α∘O (row kernel only)
-  zero(qacc);
-  zero(oacc);
-  const int64_t n_tiles = (rb.c_hi - rb.c_lo + BN - 1) / BN;
-  auto issue = [&](int64_t it) {
-    const int64_t c0 = rb.c_lo + it * BN;
-    const int bn = (int)imin(BN, g.Nk - c0), buf = (int)(it % 2);
+  float acc[MT][DB][4];  // stats kernel: dŌ + α∘O; row kernel: Q̄/τ
+  zero(acc);
+  const int n_tiles = (int)((rb.c_hi - rb.c_lo + BN - 1) / BN);
+  const FullTiles ft = full_key_tiles(g, rb, BN, n_tiles);
+  auto issue = [&](int it) {
+    const int64_t c0 = rb.c_lo + (int64_t)it * BN;
+    const int bn = (int)imin(BN, g.Nk - c0), buf = it % 2;
     load_rows_async<T, D, BN, NT>(sm.Ks + buf * BN * L, k + kv + c0 * D, bn);
     load_rows_async<T, D, BN, NT>(sm.Vs + buf * BN * L, v + kv + c0 * D, bn);
     if (has_uk) load_rows_async<T, D, BN, NT>(sm.UKs + buf * BN * L, uk + kv + c0 * D, bn);
     if (has_uv) load_rows_async<T, D, BN, NT>(sm.UVs + buf * BN * L, uv + kv + c0 * D, bn);
     fbmma::cp_async_commit();
   };
-  auto body = [&](int64_t it) {
-    const int64_t c0 = rb.c_lo + it * BN;
-    const int bn = (int)imin(BN, g.Nk - c0), buf = (int)(it % 2);
-    const int cls = g.classify(rb.p_lo, rb.p_hi, c0, c0 + bn);
-    const bool full = cls == 2 && bn == BN;
+  auto body = [&](int it) {
+    const int64_t c0 = rb.c_lo + (int64_t)it * BN;
+    const int bn = (int)imin(BN, g.Nk - c0), buf = it % 2;
+    const bool full = ft.has(it);
     const T* Kb = sm.Ks + buf * BN * L;
     const T* Vb = sm.Vs + buf * BN * L;
     const T* UKb = sm.UKs + buf * BN * L;
     const T* UVb = sm.UVs + buf * BN * L;
     const int wr = warp * 16 * MT * L;
     float s[MT][NB][4], dp[MT][NB][4], f[MT][NB][4], c[MT][NB][4];
-    bob_scores<T, D, MT, NB>(s, dp, f, c, sm.Qs + wr, Kb, sm.dOs + wr, Vb, sm.UQs + wr, Kb,
-                             sm.Qs + wr, UKb, sm.dOs + wr, UVb, has_uq, has_uk, has_uv, lane);
+    bob_scores<T, D, MT, NB, true, true>(s, dp, f, c, sm.Qs + wr, sm.dOs + wr, sm.UQs + wr, Kb,
+                                         Vb, UKb, UVb, has_uq, has_uk, has_uv, lane);
+    // Elementwise in fp32; each 16-column block is rounded into its two A fragments as soon as it
+    // is done: (P, P∘F) in the stats kernel, (S̄, dS) in the row kernel.
+    uint32_t fr0[MT][NB / 2][4], fr1[MT][NB / 2][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
+      for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int h = e / 2, col = nb * 8 + 2 * tq + e % 2;
-          const bool ok = tr.valid[mt][h] &&
-                          (full || (col < bn && (cls == 2 || g.visible(pos[mt][h], c0 + col))));
-          const float p = prob(s[mt][nb][e], scale2, m2[mt][h], il[mt][h], ok);
-          const float dps = dp[mt][nb][e] - dl[mt][h];
+          const int h = e / 2, col = nb * 8 + 2 * tq + e % 2, r = tr.local[mt][h];
+          const bool ok = tr.valid[mt][h] && (full || (col < bn && g.visible(pos[mt][h], c0 + col)));
+          const float p = prob(s[mt][nb][e], scale2, rs.m2(r), rs.il(r), ok);
           const float fs = f[mt][nb][e] * g.scale;
-          const float pb0 = c[mt][nb][e] + fs * dps;  // P̄° = C + F∘(dP − D)
           if constexpr (STATS) {
-            al[mt][h] += p * fs;   // α (this lane's partial)
-            ee[mt][h] += p * pb0;  // E°
+            const float dps = dp[mt][nb][e] - dl[mt][h];
+            al[mt][h] += p * fs;                      // α (this lane's partial)
+            ee[mt][h] += p * (c[mt][nb][e] + fs * dps);  // E°: Σ P∘P̄°, P̄° = C + F∘(dP − D)
+            s[mt][nb][e] = p;                         // P
+            f[mt][nb][e] = p * fs;                    // P∘F
           } else {
-            s[mt][nb][e] = p;                                                // P
-            dp[mt][nb][e] = p * dps;                                         // dS
-            f[mt][nb][e] = p * fs;                                           // P∘F
-            c[mt][nb][e] = p * (pb0 - al[mt][h] * dps - ee[mt][h]);          // S̄
+            const float dps = dp[mt][nb][e] - rs.dl[r];
+            // S̄ = P∘(P̄° − α·(dP − D) − E°)
+            s[mt][nb][e] = p * (c[mt][nb][e] + (fs - rs.al[r]) * dps - rs.e0[r]);
+            f[mt][nb][e] = p * dps;  // dS
           }
         }
-    if constexpr (!STATS) {
-      uint32_t fr[MT][NB / 2][4];
-      to_afrag<T, MT, NB>(fr, c);
-      gemm_ab<T, D, MT, NB / 2>(qacc, fr, Kb, lane);
-      if (has_uk) {
-        to_afrag<T, MT, NB>(fr, dp);
-        gemm_ab<T, D, MT, NB / 2>(qacc, fr, UKb, lane);
+        if (nb % 2 == 1) {
+          pack_afrag<T>(fr0[mt][nb / 2], s[mt][nb - 1], s[mt][nb]);
+          pack_afrag<T>(fr1[mt][nb / 2], f[mt][nb - 1], f[mt][nb]);
+        }
       }
-      if (has_uv) {
-        to_afrag<T, MT, NB>(fr, s);
-        gemm_ab<T, D, MT, NB / 2>(oacc, fr, UVb, lane);
-      }
-      if (has_f) {
-        to_afrag<T, MT, NB>(fr, f);
-        gemm_ab<T, D, MT, NB / 2>(oacc, fr, Vb, lane);
-      }
+    if constexpr (STATS) {
+      if (has_uv) gemm_ab<T, D, MT, NB / 2>(acc, fr0, UVb, lane);  // P·U_V
+      if (has_f) gemm_ab<T, D, MT, NB / 2>(acc, fr1, Vb, lane);    // (P∘F)·V
+    } else {
+      gemm_ab<T, D, MT, NB / 2>(acc, fr0, Kb, lane);                // S̄·K
+      if (has_uk) gemm_ab<T, D, MT, NB / 2>(acc, fr1, UKb, lane);  // dS·U_K
     }
   };
   stream_tiles(n_tiles, issue, body);
@@ -635,46 +779,54 @@ __device__ __forceinline__ void bob_row_pass(const T* __restrict__ q, const T* _
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      const int64_t i = rb.pk.row(rb.m0 + tr.local[mt][h]);
+      float a_row = 0.f;
       if constexpr (STATS) {
-        const float a_row = quad_sum(al[mt][h]), e_row = quad_sum(ee[mt][h]);
+        a_row = quad_sum(al[mt][h]);
+        const float e_row = quad_sum(ee[mt][h]);
         if (tr.valid[mt][h] && tq == 0) {
-          delta[ri[mt][h]] = dl[mt][h];
-          alpha[ri[mt][h]] = a_row;
-          e0[ri[mt][h]] = e_row;
+          delta[i] = dl[mt][h];
+          alpha[i] = a_row;
+          e0[i] = e_row;
         }
-        continue;
       }
       if (!tr.valid[mt][h]) continue;
-      const int64_t x = ri[mt][h] * D;
+      const int64_t x = i * D;
 #pragma unroll
       for (int db = 0; db < DB; ++db) {
         const int col = db * 8 + 2 * tq;
-        store2(qbar + x + col, g.scale * qacc[mt][db][2 * h], g.scale * qacc[mt][db][2 * h + 1]);
-        store2(dobar + x + col, oacc[mt][db][2 * h] - al[mt][h] * to_f(o[x + col]),
-               oacc[mt][db][2 * h + 1] - al[mt][h] * to_f(o[x + col + 1]));
+        if constexpr (STATS)
+          store2(out + x + col, acc[mt][db][2 * h] - a_row * to_f(o[x + col]),
+                 acc[mt][db][2 * h + 1] - a_row * to_f(o[x + col + 1]));  // dŌ
+        else
+          store2(out + x + col, g.scale * acc[mt][db][2 * h],
+                 g.scale * acc[mt][db][2 * h + 1]);  // Q̄
       }
     }
 }
 
 template <typename T, int D, class TL>
-__global__ void __launch_bounds__(TL::NT) bob_stats_kernel(
+__global__ void __launch_bounds__(TL::NT, 1) bob_stats_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ o, const float* __restrict__ stats, const T* __restrict__ dout,
     const T* __restrict__ uq, const T* __restrict__ uk, const T* __restrict__ uv,
-    float* __restrict__ delta, float* __restrict__ alpha, float* __restrict__ e0, Geo g) {
-  bob_row_pass<T, D, TL, true>(q, k, v, o, stats, dout, uq, uk, uv, nullptr, nullptr, delta,
-                               alpha, e0, g);
+    T* __restrict__ dobar, float* __restrict__ delta, float* __restrict__ alpha,
+    float* __restrict__ e0, Geo g) {
+  bob_row_pass<T, D, TL, true>(q, k, v, o, stats, dout, uq, uk, uv, dobar, delta, alpha, e0, g);
 }
 
 template <typename T, int D, class TL>
-__global__ void __launch_bounds__(TL::NT) bob_row_kernel(
+__global__ void __launch_bounds__(TL::NT, 1) bob_row_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const T* __restrict__ o, const float* __restrict__ stats, const T* __restrict__ dout,
-    const T* __restrict__ uq, const T* __restrict__ uk, const T* __restrict__ uv,
-    T* __restrict__ qbar, T* __restrict__ dobar, float* __restrict__ delta,
-    float* __restrict__ alpha, float* __restrict__ e0, Geo g) {
-  bob_row_pass<T, D, TL, false>(q, k, v, o, stats, dout, uq, uk, uv, qbar, dobar, delta, alpha,
-                                e0, g);
+    const float* __restrict__ stats, const T* __restrict__ dout, const T* __restrict__ uq,
+    const T* __restrict__ uk, const T* __restrict__ uv, T* __restrict__ qbar,
+    const float* __restrict__ delta, const float* __restrict__ alpha,
+    const float* __restrict__ e0, Geo g) {
+  // The row kernel only reads the scalars (RowScalars), through pointers the pass also writes in
+  // its stats mode; they are never written here.
+  bob_row_pass<T, D, TL, false>(q, k, v, nullptr, stats, dout, uq, uk, uv, qbar,
+                                const_cast<float*>(delta), const_cast<float*>(alpha),
+                                const_cast<float*>(e0), g);
 }
 
 // Shared-memory layout of the BoB column pass: own K, V, U_K, U_V; streamed Q, dO, U_Q and the
@@ -683,7 +835,10 @@ template <typename T, int D, class TL>
 struct BobColSmem {
   static constexpr int L = Smem<D>::LDS;
   T *Ks, *Vs, *UKs, *UVs, *Qs, *dOs, *UQs;
-  float* sc;  // [5][2][BN]: m2, 1/l, D, α, E°
+  float* sc;  // [2][RowScalars::floats(BN, true)]: (m2, 1/l) pairs, D, α, E°
+  // The block's first output row (ColBlock::kv0), parked here across the key loop for the
+  // epilogue: held in a register it was the value ptxas spilled at D = 128 (255 registers).
+  int64_t* kv0;
   __device__ explicit BobColSmem(unsigned char* smem) {
     Ks = reinterpret_cast<T*>(smem);
     Vs = Ks + TL::BM * L;
@@ -693,14 +848,16 @@ struct BobColSmem {
     dOs = Qs + 2 * TL::BN * L;
     UQs = dOs + 2 * TL::BN * L;
     sc = reinterpret_cast<float*>(UQs + 2 * TL::BN * L);
+    kv0 = reinterpret_cast<int64_t*>(sc + 2 * RowScalars::floats(TL::BN, true));
   }
   static constexpr size_t bytes() {
-    return Smem<D>::template tile_bytes<T>(4 * TL::BM + 6 * TL::BN) + 10 * TL::BN * sizeof(float);
+    return Smem<D>::template tile_bytes<T>(4 * TL::BM + 6 * TL::BN) +
+           2 * RowScalars::floats(TL::BN, true) * sizeof(float) + sizeof(int64_t);
   }
 };
 
 template <typename T, int D, class TL>
-__global__ void __launch_bounds__(TL::NT) bob_col_kernel(
+__global__ void __launch_bounds__(TL::NT, 1) bob_col_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ stats, const T* __restrict__ dout, const T* __restrict__ uq,
     const T* __restrict__ uk, const T* __restrict__ uv, const float* __restrict__ delta,
@@ -721,77 +878,88 @@ __global__ void __launch_bounds__(TL::NT) bob_col_kernel(
   if (has_uk) load_rows_async<T, D, BM, NT>(sm.UKs, uk + cb.kv0 * D, cb.bn);
   if (has_uv) load_rows_async<T, D, BM, NT>(sm.UVs, uv + cb.kv0 * D, cb.bn);
   fbmma::cp_async_commit();
+  if (threadIdx.x == 0) *sm.kv0 = cb.kv0;  // read back after the loop's last barrier
   auto scal = [&](int buf) {
-    float* s0 = sm.sc + buf * BN;
-    return ColScalars{s0, s0 + 2 * BN, s0 + 4 * BN, s0 + 6 * BN, s0 + 8 * BN};
+    return RowScalars::at(sm.sc + buf * RowScalars::floats(BN, true), BN, true);
   };
 
   float kacc[MT][DB][4], vacc[MT][DB][4];
   zero(kacc);
   zero(vacc);
-  const int64_t n_tiles = (cb.m_hi - cb.m_lo + BN - 1) / BN;
-  auto issue = [&](int64_t it) {
-    const int64_t m0 = cb.m_lo + it * BN;
-    const int nv = (int)imin(BN, cb.m_hi - m0), buf = (int)(it % 2);
+  const int n_tiles = (int)((cb.m_hi - cb.m_lo + BN - 1) / BN);
+  const FullTiles ft = full_row_tiles(g, cb, BN, n_tiles);
+  auto issue = [&](int it) {
+    const int64_t m0 = cb.m_lo + (int64_t)it * BN;
+    const int nv = (int)imin(BN, cb.m_hi - m0), buf = it % 2;
     load_packed_async<T, D, BN, NT>(sm.Qs + buf * BN * L, q, cb.pk, m0, nv);
     load_packed_async<T, D, BN, NT>(sm.dOs + buf * BN * L, dout, cb.pk, m0, nv);
     if (has_uq) load_packed_async<T, D, BN, NT>(sm.UQs + buf * BN * L, uq, cb.pk, m0, nv);
+    load_row_scalars(scal(buf), BN, NT, cb.pk, m0, nv, stats, delta, alpha, e0);
     fbmma::cp_async_commit();
-    load_col_scalars(scal(buf), BN, NT, cb.pk, m0, nv, stats, delta, alpha, e0);
   };
-  auto body = [&](int64_t it) {
-    const int64_t m0 = cb.m_lo + it * BN;
-    const int nv = (int)imin(BN, cb.m_hi - m0), buf = (int)(it % 2);
-    const ColScalars cs = scal(buf);
-    const int cls = g.classify(cb.pk.pos(m0), cb.pk.pos(m0 + nv - 1) + 1, cb.c0, cb.c0 + cb.bn);
-    const bool full = cls == 2 && nv == BN;
+  auto body = [&](int it) {
+    const int64_t m0 = cb.m_lo + (int64_t)it * BN;
+    const int nv = (int)imin(BN, cb.m_hi - m0), buf = it % 2;
+    const RowScalars cs = scal(buf);
+    const bool full = ft.has(it);
     const T* Qb = sm.Qs + buf * BN * L;
     const T* dOb = sm.dOs + buf * BN * L;
     const T* UQb = sm.UQs + buf * BN * L;
     const int wr = warp * 16 * MT * L;
-    float s[MT][NB][4], dp[MT][NB][4], f[MT][NB][4], c[MT][NB][4];  // transposed tiles
-    bob_scores<T, D, MT, NB>(s, dp, f, c, sm.Ks + wr, Qb, sm.Vs + wr, dOb, sm.Ks + wr, UQb,
-                             sm.UKs + wr, Qb, sm.UVs + wr, dOb, has_uq, has_uk, has_uv, lane);
+    // Transposed tiles (keys x packed rows). As in bob_row_pass, C = U_V·dOᵀ comes after the
+    // products that consume dSᵀ and (P∘h)ᵀ, so four fp32 score tiles are never live at once:
+    // S̄ = P∘(C + r) with r = (F − α)∘(dP − D) − E°, and P∘h = P∘(F − α).
+    float s[MT][NB][4], dp[MT][NB][4], f[MT][NB][4], c[MT][NB][4];
+    bob_scores<T, D, MT, NB, false, false>(s, dp, f, c, sm.Ks + wr, sm.Vs + wr, sm.UKs + wr,
+                                           Qb, dOb, UQb, nullptr, has_uq, has_uk, has_uv, lane);
+    uint32_t fr_ds[MT][NB / 2][4], fr_ph[MT][NB / 2][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb)
+      for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int h = e / 2, col = nb * 8 + 2 * tq + e % 2;
           const bool ok =
               tr.valid[mt][h] &&
-              (full || (col < nv && (cls == 2 || g.visible(cb.pk.pos(m0 + col),
-                                                           cb.c0 + tr.local[mt][h]))));
-          const float p = prob(s[mt][nb][e], scale2, cs.m2[col], cs.il[col], ok);
+              (full || (col < nv && g.visible(cb.pk.pos(m0 + col), cb.c0 + tr.local[mt][h])));
+          const float p = prob(s[mt][nb][e], scale2, cs.m2(col), cs.il(col), ok);
           const float dps = dp[mt][nb][e] - cs.dl[col];
-          const float fs = f[mt][nb][e] * g.scale;
-          const float pb0 = c[mt][nb][e] + fs * dps;
-          const float a = cs.al[col];
-          s[mt][nb][e] = p * (fs - a);                               // P∘h
-          c[mt][nb][e] = p * (pb0 - a * dps - cs.e0[col]);           // S̄
-          dp[mt][nb][e] = p * dps;                                   // dS
+          const float fa = f[mt][nb][e] * g.scale - cs.al[col];  // h = F − α
+          s[mt][nb][e] = p;                             // P
+          dp[mt][nb][e] = p * dps;                      // dS
+          c[mt][nb][e] = p * fa;                        // P∘h
+          f[mt][nb][e] = fa * dps - cs.e0[col];         // r
         }
-    uint32_t fr[MT][NB / 2][4];
-    to_afrag<T, MT, NB>(fr, c);
-    gemm_ab<T, D, MT, NB / 2>(kacc, fr, Qb, lane);
-    if (has_uq) {
-      to_afrag<T, MT, NB>(fr, dp);
-      gemm_ab<T, D, MT, NB / 2>(kacc, fr, UQb, lane);
-    }
-    if (has_f) {
-      to_afrag<T, MT, NB>(fr, s);
-      gemm_ab<T, D, MT, NB / 2>(vacc, fr, dOb, lane);
-    }
+        if (nb % 2 == 1) {
+          pack_afrag<T>(fr_ds[mt][nb / 2], dp[mt][nb - 1], dp[mt][nb]);
+          pack_afrag<T>(fr_ph[mt][nb / 2], c[mt][nb - 1], c[mt][nb]);
+        }
+      }
+    if (has_uq) gemm_ab<T, D, MT, NB / 2>(kacc, fr_ds, UQb, lane);
+    if (has_f) gemm_ab<T, D, MT, NB / 2>(vacc, fr_ph, dOb, lane);
+    zero(c);
+    if (has_uv) gemm_abt<T, D, MT, NB>(c, sm.UVs + wr, dOb, lane);  // Cᵀ
+    uint32_t fr_sbar[MT][NB / 2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[mt][nb][e] = s[mt][nb][e] * (c[mt][nb][e] + f[mt][nb][e]);
+        if (nb % 2 == 1) pack_afrag<T>(fr_sbar[mt][nb / 2], c[mt][nb - 1], c[mt][nb]);
+      }
+    gemm_ab<T, D, MT, NB / 2>(kacc, fr_sbar, Qb, lane);  // S̄ᵀ·Q
   };
   stream_tiles(n_tiles, issue, body);
 
+  const int64_t kv0 = *sm.kv0;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (!tr.valid[mt][h]) continue;
-      const int64_t x = (cb.kv0 + tr.local[mt][h]) * D;
+      const int64_t x = (kv0 + tr.local[mt][h]) * D;
 #pragma unroll
       for (int db = 0; db < DB; ++db) {
         store2(kbar + x + db * 8 + 2 * tq, kacc[mt][db][2 * h] * g.scale,
@@ -932,8 +1100,8 @@ cudaError_t bwd_t(const void* q, const void* k, const void* v, const void* o, co
   {
     using TL = typename Shapes<D>::BwdCol;
     constexpr int NT = TL::NT;
-    constexpr size_t smem =
-        Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN) + 6 * TL::BN * sizeof(float);
+    constexpr size_t smem = Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN) +
+                            2 * RowScalars::floats(TL::BN, false) * sizeof(float);
     static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
     auto kern = bwd_col_kernel<T, D, TL>;
     g_last_kernel = "bwd_col_kernel";
@@ -959,8 +1127,8 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
     g_last_kernel = "bob_stats_kernel";
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
     FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v,
-              (const T*)o, stats, (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv, delta,
-              alpha, e0, g);
+              (const T*)o, stats, (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv,
+              (T*)dobar, delta, alpha, e0, g);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   {
@@ -971,9 +1139,9 @@ cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o
     auto kern = bob_row_kernel<T, D, TL>;
     g_last_kernel = "bob_row_kernel";
     if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
-    FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v,
-              (const T*)o, stats, (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv,
-              (T*)qbar, (T*)dobar, delta, alpha, e0, g);
+    FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v, stats,
+              (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv, (T*)qbar,
+              (const float*)delta, (const float*)alpha, (const float*)e0, g);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   {

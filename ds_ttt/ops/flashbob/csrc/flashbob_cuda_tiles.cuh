@@ -205,19 +205,25 @@ __device__ __forceinline__ void gemm_ab(float (&o)[MT][D / 8][4], const uint32_t
   }
 }
 
-// A fragments (rounded to T) of a score tile, in registers.
+// The A fragment (rounded to T) of one 16-column block of a score tile: its two 8-column
+// accumulators lo (columns 0..7) and hi (8..15), in registers.
+template <typename T>
+__device__ __forceinline__ void pack_afrag(uint32_t (&p)[4], const float (&lo)[4],
+                                           const float (&hi)[4]) {
+  p[0] = TC<T>::pack(lo[0], lo[1]);
+  p[1] = TC<T>::pack(lo[2], lo[3]);
+  p[2] = TC<T>::pack(hi[0], hi[1]);
+  p[3] = TC<T>::pack(hi[2], hi[3]);
+}
+
+// A fragments (rounded to T) of a whole score tile.
 template <typename T, int MT, int NB>
 __device__ __forceinline__ void to_afrag(uint32_t (&p)[MT][NB / 2][4],
                                          const float (&s)[MT][NB][4]) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int kk = 0; kk < NB / 2; ++kk) {
-      p[mt][kk][0] = TC<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-      p[mt][kk][1] = TC<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-      p[mt][kk][2] = TC<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-      p[mt][kk][3] = TC<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-    }
+    for (int kk = 0; kk < NB / 2; ++kk) pack_afrag<T>(p[mt][kk], s[mt][2 * kk], s[mt][2 * kk + 1]);
 }
 
 // P from a raw score, the saved row stats (m2 = max of scale2·s, il = 1 / row sum) and the mask.

@@ -23,6 +23,9 @@
 //   cp_async_16(smem, gmem)                cp.async.cg.shared.global [smem], [gmem], 16
 //   cp_async_16_zfill(smem, gmem, valid)   same with src-size = valid ? 16 : 0 (zero fill);
 //                                          gmem must still be a valid address when !valid
+//   cp_async_4_zfill(smem, gmem, valid)    added: cp.async.ca.shared.global [smem], [gmem], 4, src-size
+//   cp_async_8_zfill(smem, gmem, valid)    added: the same with 8 bytes (.ca: .cg copies 16 only);
+//                                          both addresses aligned to the copy's size
 //   cp_async_commit()                      cp.async.commit_group
 //   cp_async_wait<N>()                     cp.async.wait_group N (all but the N newest groups done)
 //   cp_async_wait_all()                    added: cp.async.wait_all (commit + wait_group 0)
@@ -108,6 +111,20 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_16_zfill(void* smem, const void* gmem, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+// 4- and 8-byte copies (the per-row fp32 scalars of the column passes), through L1 (.ca: the only
+// variant with sizes below 16), zero-filled when !valid.
+__device__ __forceinline__ void cp_async_4_zfill(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_8_zfill(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(smem)),
                "l"(gmem), "r"(src_bytes)
                : "memory");
 }

@@ -25,14 +25,14 @@
 //   mma             d = c + sum_k a*b with every product exact and the sum accumulated in double,
 //                   rounded once to fp32 (the tensor core's own internal rounding is not modelled:
 //                   for inputs whose partial sums are exact in fp32 the two agree bit for bit).
-//   cp.async        per-thread queue: the 16 destination bytes are poisoned (0xFF: NaN as bf16,
+//   cp.async        per-thread queue: the destination bytes (16, or 4/8) are poisoned (0xFF: NaN as bf16,
 //                   f16 and f32) at issue; copies join a group at cp_async_commit; cp_async_wait<N>
 //                   performs (copies or zero-fills) all but the N newest groups. Data read before
 //                   its wait, or by another thread without a __syncthreads after the wait, is
 //                   therefore poison or stale, as it may be on the GPU. Copies issued but never
-//                   waited for are dropped when the thread exits. Global addresses must be
-//                   16-byte aligned (checked; for the zfill variant with valid=false too, though
-//                   it is not read).
+//                   waited for are dropped when the thread exits. Both addresses must be aligned
+//                   to the copy's size (checked; for the zfill variants with valid=false too,
+//                   though the source is not read), the destination inside shared memory.
 #pragma once
 
 #ifndef FLASHBOB_CUDA_EMU
@@ -152,7 +152,8 @@ constexpr unsigned char kPoison = 0xFF;
 struct PendingCopy {
   void* dst;
   const void* src;
-  bool fill;  // false: src-size 0, the 16 bytes become zeros
+  bool fill;  // false: src-size 0, the bytes become zeros
+  int bytes;  // 16, 8 or 4
 };
 struct AsyncQueue {
   std::vector<PendingCopy> uncommitted;
@@ -162,24 +163,25 @@ inline AsyncQueue& queue() {  // one per emulated thread; dies with it (pending 
   static thread_local AsyncQueue q;
   return q;
 }
-inline void issue(void* smem, const void* gmem, bool fill, const char* op) {
-  if (!fb_emu::in_smem(smem, 16) || (reinterpret_cast<uintptr_t>(smem) & 15u) != 0)
+inline void issue(void* smem, const void* gmem, bool fill, int bytes, const char* op) {
+  const uintptr_t align = (uintptr_t)bytes - 1;
+  if (!fb_emu::in_smem(smem, bytes) || (reinterpret_cast<uintptr_t>(smem) & align) != 0)
     fb_emu::block()->fail(std::string("emulated ") + op + ": thread " +
-                          std::to_string(threadIdx.x) +
-                          " passed a destination that is not 16-byte aligned shared memory");
-  if (gmem == nullptr || (reinterpret_cast<uintptr_t>(gmem) & 15u) != 0)
+                          std::to_string(threadIdx.x) + " passed a destination that is not " +
+                          std::to_string(bytes) + "-byte aligned shared memory");
+  if (gmem == nullptr || (reinterpret_cast<uintptr_t>(gmem) & align) != 0)
     fb_emu::block()->fail(std::string("emulated ") + op + ": thread " +
-                          std::to_string(threadIdx.x) +
-                          " passed a global source that is null or not 16-byte aligned");
-  std::memset(smem, kPoison, 16);
-  queue().uncommitted.push_back({smem, gmem, fill});
+                          std::to_string(threadIdx.x) + " passed a global source that is null or not " +
+                          std::to_string(bytes) + "-byte aligned");
+  std::memset(smem, kPoison, bytes);
+  queue().uncommitted.push_back({smem, gmem, fill, bytes});
 }
 inline void complete(const std::vector<PendingCopy>& group) {
   for (const auto& c : group) {
     if (c.fill)
-      std::memcpy(c.dst, c.src, 16);
+      std::memcpy(c.dst, c.src, c.bytes);
     else
-      std::memset(c.dst, 0, 16);
+      std::memset(c.dst, 0, c.bytes);
   }
 }
 inline void wait_group(int n) {
@@ -244,10 +246,16 @@ inline void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32
 }
 
 inline void cp_async_16(void* smem, const void* gmem) {
-  emu::issue(smem, gmem, true, "cp.async");
+  emu::issue(smem, gmem, true, 16, "cp.async");
 }
 inline void cp_async_16_zfill(void* smem, const void* gmem, bool valid) {
-  emu::issue(smem, gmem, valid, "cp.async (zfill)");
+  emu::issue(smem, gmem, valid, 16, "cp.async (zfill)");
+}
+inline void cp_async_4_zfill(void* smem, const void* gmem, bool valid) {
+  emu::issue(smem, gmem, valid, 4, "cp.async.ca 4 (zfill)");
+}
+inline void cp_async_8_zfill(void* smem, const void* gmem, bool valid) {
+  emu::issue(smem, gmem, valid, 8, "cp.async.ca 8 (zfill)");
 }
 inline void cp_async_commit() {
   auto& q = emu::queue();

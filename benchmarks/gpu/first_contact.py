@@ -92,6 +92,7 @@ def probe_cases():
             out.append((f"ldmatrix_mma_{tag}_{'B_kn_trans' if kn else 'B_nk'}",
                         mc.ldmatrix_mma_case(dt, kn, nthreads=64, seed=6), "ldmatrix_mma"))
     out.append(("cp_async_zfill", mc.cp_async_case(nthreads=128, seed=8), "cp_async"))
+    out.append(("cp_async_small_zfill", mc.cp_async_case(nthreads=128, seed=8, variant=1), "cp_async"))
     out.append(("pack_bf16x2_f16x2", mc.pack_case(), "pack"))
     return out
 

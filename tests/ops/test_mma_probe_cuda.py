@@ -92,8 +92,9 @@ def test_ldmatrix_then_mma_identical_layouts(probes, dtype, b_stored_kn):
         assert torch.all(d <= ACC_ULPS * 2.0**-23 * scale), (w, d.max())
 
 
-def test_cp_async_identical_once_waited(probes):
-    case = mc.cp_async_case(nthreads=128, seed=8)
+@pytest.mark.parametrize("variant", sorted(mc.CP_ASYNC_VARIANTS), ids=lambda v: mc.CP_ASYNC_VARIANTS[v])
+def test_cp_async_identical_once_waited(probes, variant):
+    case = mc.cp_async_case(nthreads=128, seed=8, variant=variant)
     (g_u, _), (e_u, _) = _both(probes, case)
     _, done = mc.cp_async_expected(case)
     g, e = g_u.reshape(4, -1), e_u.reshape(4, -1)

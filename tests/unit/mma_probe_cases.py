@@ -238,13 +238,17 @@ def ldmatrix_mma_case(dtype, b_stored_kn: bool, nthreads: int, seed: int) -> Cas
 
 # ---- cp.async ---------------------------------------------------------------------------------
 
-def cp_async_case(nthreads: int, seed: int) -> Case:
+CP_ASYNC_VARIANTS = {0: "16-byte cp.async.cg", 1: "8- and 4-byte cp.async.ca"}  # mma_probe.cu
+
+
+def cp_async_case(nthreads: int, seed: int, variant: int = 0) -> Case:
+    """Variant 0 copies 16-byte chunks, variant 1 each chunk as 8 + 4 + 4 bytes (same expected)."""
     gen = torch.Generator().manual_seed(seed)
     nbytes = 3 * nthreads * 16
     src16 = torch.randint(-2**15, 2**15, (nbytes // 2,), generator=gen, dtype=torch.int32)
     src16 = src16.to(torch.int16)
     words = 3 * nthreads * 4
-    return Case(CP_ASYNC, 0, nthreads, src16=src16, n_out_u=4 * words, info=dict(words=words))
+    return Case(CP_ASYNC, variant, nthreads, src16=src16, n_out_u=4 * words, info=dict(words=words))
 
 
 def cp_async_expected(case: Case):

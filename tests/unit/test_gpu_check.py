@@ -483,7 +483,7 @@ def test_probe_saves_every_lane_and_passes_on_the_emulator(emu_probe, tmp_path):
     rep = fc.run_probe(emu_probe, tmp_path / "probe.json")
     assert rep["ok"], rep["summary"]
     names = [c["name"] for c in rep["cases"]]
-    assert len(names) == 12 + 6 + 4 + 2 and names[0] == "ldmatrix_x1_seed0"  # as tests/ops/test_mma_probe_cuda.py
+    assert len(names) == 12 + 6 + 4 + 3 and names[0] == "ldmatrix_x1_seed0"  # as tests/ops/test_mma_probe_cuda.py
     for c in rep["cases"]:  # every lane of every case is in the file
         assert len(c["got_u"]) + len(c["got_f"]) > 0 and c["num_mismatches"] == 0
     assert json.loads((tmp_path / "probe.json").read_text())["cases"][5]["got_u"] == rep["cases"][5]["got_u"]

@@ -94,8 +94,9 @@ def test_ldmatrix_then_mma_is_a_matmul(probe, dtype, b_stored_kn):
             A.float().abs() @ B.float().abs()).max().item())
 
 
-def test_cp_async_groups_waits_and_zfill(probe):
-    case = mc.cp_async_case(nthreads=64, seed=2)
+@pytest.mark.parametrize("variant", sorted(mc.CP_ASYNC_VARIANTS), ids=lambda v: mc.CP_ASYNC_VARIANTS[v])
+def test_cp_async_groups_waits_and_zfill(probe, variant):
+    case = mc.cp_async_case(nthreads=64, seed=2, variant=variant)
     out_u, _ = probe.run_case(case)
     snaps = out_u.reshape(4, -1)
     expected, done = mc.cp_async_expected(case)

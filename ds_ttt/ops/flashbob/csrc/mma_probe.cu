@@ -23,6 +23,9 @@
 //               whole staging area into out_u (n = 3*nthreads*4 words per snapshot) after
 //               wait<2>, wait<1>, wait<0> (each followed by __syncthreads), and one more after
 //               a fourth group (group 0's chunks again, by cp_async_16) and cp_async_wait_all.
+//               Variant 1: the same chunks and validity, each copied as three small copies
+//               (bytes 0..7 by cp_async_8_zfill, 8..11 and 12..15 by cp_async_4_zfill; the fourth
+//               group with valid = true), so the expected snapshots are those of variant 0.
 //   kPack       out_u[t*2 + 0] = pack_bf16x2(in_f[t*2], in_f[t*2+1]), out_u[t*2 + 1] = pack_f16x2;
 //               out_f[t*4 + 0..1] = unpack_bf16x2(out_u[t*2]), out_f[t*4 + 2..3] = unpack_f16x2.
 //   Misuse (emulator tests only; undefined behaviour on a GPU, never launched there):
@@ -124,15 +127,26 @@ __device__ void snapshot(const Args& a, const unsigned char* s, int k) {
   __syncthreads();
 }
 
+// One 16-byte chunk as an 8-byte and two 4-byte cp.async.ca copies (variant 1).
+__device__ void cp_async_small(unsigned char* s, const unsigned char* g, bool valid) {
+  fbmma::cp_async_8_zfill(s, g, valid);
+  fbmma::cp_async_4_zfill(s + 8, g + 8, valid);
+  fbmma::cp_async_4_zfill(s + 12, g + 12, valid);
+}
+
 __device__ void probe_cp_async(const Args& a, unsigned char* s) {
   const int t = threadIdx.x, n = a.nthreads;
   const unsigned char* g = reinterpret_cast<const unsigned char*>(a.src16);
+  const bool small = a.variant == 1;
   for (int grp = 0; grp < 3; ++grp) {
     const int chunk = grp * n + t;
-    if (grp == 0)
+    const bool valid = grp == 0 || chunk % 5 != 3;
+    if (small)
+      cp_async_small(s + 16 * chunk, g + 16 * chunk, valid);
+    else if (grp == 0)
       fbmma::cp_async_16(s + 16 * chunk, g + 16 * chunk);
     else
-      fbmma::cp_async_16_zfill(s + 16 * chunk, g + 16 * chunk, chunk % 5 != 3);
+      fbmma::cp_async_16_zfill(s + 16 * chunk, g + 16 * chunk, valid);
     fbmma::cp_async_commit();
   }
   fbmma::cp_async_wait<2>();
@@ -141,7 +155,10 @@ __device__ void probe_cp_async(const Args& a, unsigned char* s) {
   snapshot(a, s, 1);
   fbmma::cp_async_wait<0>();
   snapshot(a, s, 2);
-  fbmma::cp_async_16(s + 16 * t, g + 16 * (2 * n + t));  // group 2's source into group 0's slot
+  if (small)  // group 2's source into group 0's slot
+    cp_async_small(s + 16 * t, g + 16 * (2 * n + t), true);
+  else
+    fbmma::cp_async_16(s + 16 * t, g + 16 * (2 * n + t));
   fbmma::cp_async_wait_all();
   snapshot(a, s, 3);
 }

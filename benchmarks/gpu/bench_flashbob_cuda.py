@@ -2,7 +2,7 @@
 
     python benchmarks/gpu/bench_flashbob_cuda.py --out benchmarks/results/gpu/flashbob_cuda.json
         [--sizes 1024,2048,4096,8192,16384,32768] [--budget-s 90] [--no-flashbob] [--check-n 1024]
-        [--profile-n 8192]
+        [--profile-n 8192] [--sweep-share 0.3]
 
 Shapes: bf16, causal, B=1, 32 query heads sharing 8 key/value heads (GQA), head dim 128,
 sequence length N per --sizes. Methods, each timed per N until it runs out of memory or time:
@@ -31,6 +31,16 @@ step is reported with FLOP/s counted two ways, both named:
                      header), 2·BM·BN·D FLOPs each, 31 GEMMs = 62·N²·D per head, halved for
                      causal (the diagonal tiles' masked half, ~BM/N more, is not counted).
 Per kernel only the executed count exists (the useful model has no per-kernel split).
+
+Tile-shape sweep (`tile_sweep` in the JSON), right after the profile: the CUDA op carries every
+tile set of the kernels (ds_ttt/ops/flashbob/tiles.py: "sm80" 64-row blocks of 4 warps, "sm90"
+128-row blocks of 8 warps, and both with half the streamed rows per stage), so each set runs the
+same second-order step at N = --profile-n under the profiler, without a rebuild: per set the six
+kernels' device times, and per kernel the fastest set (`best`). The device's default set is the
+profile above, not run twice. Each set first passes the same tripwire as the default (rel err
+< 5e-2 against fp32 math at --check-n), a failed check like any other. The sweep stops (the rest
+"skipped (time budget)") beyond --sweep-share of --budget-s; a set the GPU cannot run is recorded
+with the binding's reason.
 
 Correctness (the phase fails when one fails): every measured step's outputs are finite, and at
 N = --check-n FlashBoB's o, q̄, k̄, v̄, dŌ are compared with an fp32 PyTorch-math second-order
@@ -74,6 +84,7 @@ KERNEL_GEMMS = {"fwd_kernel": 2, "bwd_row_kernel": 3, "bwd_col_kernel": 4, "bob_
 USEFUL_PER_STEP = 4 + 10 + 36  # ·N²·D per query head
 EXECUTED_PER_STEP = 2 * sum(KERNEL_GEMMS.values())  # 62 ·N²·D per query head
 TRIPWIRE_REL_ERR = 5e-2
+SWEEP_SHARE = 0.3  # of the benchmark's budget, at most, for the tile-shape sweep
 
 
 def step_flops(kind: str, n: int, *, heads_q: int, head_dim: int, causal: bool = True) -> float:
@@ -199,13 +210,77 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
-def cross_check(attn, x: dict) -> dict:
-    """Relative errors of `attn`'s second-order step (and of bf16 math) against fp32 math."""
-    gold = second_order_step(math_attn, {k: t.float() for k, t in x.items()})
+def cross_check(attn, x: dict, gold=None) -> dict:
+    """Relative errors of `attn`'s second-order step (and of bf16 math) against fp32 math (`gold`:
+    that step's outputs when already computed)."""
+    gold = second_order_step(math_attn, {k: t.float() for k, t in x.items()}) if gold is None else gold
     got = second_order_step(attn, x)
     low = second_order_step(math_attn, x)
     return {name: {"kernel": rel_err(a, g), "math_lowprec": rel_err(b, g)}
             for name, a, b, g in zip(OUTPUT_NAMES, got, low, gold)}
+
+
+def tile_sweep(op, attn, x: dict, *, n: int, head_dim: int, budget_s: float, check_x: dict | None = None,
+               default_times: dict | None = None, cuda: bool = True) -> tuple[dict, list[str]]:
+    """Time the second-order step of `attn` (running on the kernels of `op`) under each tile set of
+    `op` at N = n; returns (the record, the names of the sets whose tripwire failed).
+
+    check_x: inputs at a small N; each set's step there must stay within TRIPWIRE_REL_ERR of fp32
+    math. default_times: kernel_times() of the device's default set at this N (not timed again).
+    On CUDA a set's times are torch.profiler device times per kernel; elsewhere (tests, through the
+    CPU emulator) the wall time of one step.
+    """
+    from ds_ttt.ops.flashbob.tiles import active_tile_set, tile_sets, use_tile_set
+
+    t0 = time.perf_counter()
+    default = active_tile_set(op)["name"]
+    gold = second_order_step(math_attn, {k: t.float() for k, t in check_x.items()}) if check_x else None
+    record = {"n": n, "default_set": default, "sets": [], "best": {},
+              "note": "The default set is chosen by analysis (docs/flashbob.md); the best set per kernel here "
+                      "is the measurement that should decide it."}
+    failed, last_cost = [], None
+    for ts in tile_sets(op):
+        shapes = {sh["kernel"]: f"{sh['BM']}/{sh['BN']}/{sh['warps']}" for sh in ts["shapes"] if sh["D"] == head_dim}
+        row = {"name": ts["name"], "shapes": shapes, "default": ts["name"] == default}
+        record["sets"].append(row)
+        if not shapes or "bf16" not in ts["dtypes"]:
+            row["status"] = f"not built for bf16 at D={head_dim}"
+            continue
+        spent = time.perf_counter() - t0
+        if last_cost is not None and spent + last_cost > budget_s:
+            row.update(status="skipped (time budget)", predicted_s=round(last_cost, 1))
+            continue
+        start = time.perf_counter()
+        try:
+            with use_tile_set(op, ts["name"]):
+                if check_x is not None:
+                    errs = cross_check(attn, check_x, gold)
+                    worst = max(e["kernel"] for e in errs.values())
+                    row["rel_err"] = {k: e["kernel"] for k, e in errs.items()}
+                    if not (math.isfinite(worst) and worst < TRIPWIRE_REL_ERR):
+                        failed.append(ts["name"])
+                if ts["name"] == default and default_times is not None:
+                    times = default_times
+                elif cuda:
+                    times = profile_step(lambda: second_order_step(attn, x), reps=2)
+                else:
+                    second_order_step(attn, x)
+                    w0 = time.perf_counter()
+                    second_order_step(attn, x)
+                    times = {"wall": {"ms_per_step": (time.perf_counter() - w0) * 1e3, "calls_per_step": 1.0}}
+        except RuntimeError as exc:  # a set this GPU cannot run: the binding says why
+            row["status"] = f"not run: {str(exc)[:300]}"
+            continue
+        last_cost = time.perf_counter() - start
+        kernels = {k: v["ms_per_step"] for k, v in times.items() if k != "other" and v["calls_per_step"]}
+        row.update(status="ok", kernels_ms=kernels, total_ms=sum(kernels.values()), seconds=round(last_cost, 2))
+    ok_rows = [r for r in record["sets"] if r.get("status") == "ok"]
+    for kernel in sorted({k for r in ok_rows for k in r["kernels_ms"]}):
+        best = min((r for r in ok_rows if kernel in r["kernels_ms"]), key=lambda r: r["kernels_ms"][kernel])
+        record["best"][kernel] = {"set": best["name"], "ms_per_step": best["kernels_ms"][kernel],
+                                  "shape": best["shapes"].get(kernel), "default_is_best": best["default"]}
+    record["seconds"] = round(time.perf_counter() - t0, 2)
+    return record, failed
 
 
 def _all_finite(tensors) -> bool:
@@ -248,7 +323,7 @@ def time_step(fn, *, device="cuda", target_s: float = 0.3, max_reps: int = 20) -
 
 def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: bool = True,
         check_n: int = 1024, profile_n: int = 8192, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128, device: str = "cuda",
-        flashbob_backend: str = "cuda") -> dict:
+        flashbob_backend: str = "cuda", sweep_share: float = SWEEP_SHARE) -> dict:
     """Measure every (N, method) within `budget_s`; rewrite `out` after each; return the record.
 
     device / flashbob_backend default to the GPU; tests run the same loop on CPU with tiny shapes
@@ -296,8 +371,10 @@ def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: boo
             gc.collect()
             torch.cuda.empty_cache()
 
-    # Per-kernel device times at profile_n, before the sweep so that they exist even if time runs out.
+    # Per-kernel device times at profile_n, then the tile-shape sweep there, before the size sweep
+    # so that they exist even if time runs out.
     if use_flashbob and cuda and profile_n > 0 and any(m[0] == "flashbob_bob" for m in methods):
+        times = None
         try:
             x = make_inputs(profile_n, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, device=device)
             attn = flashbob_attn(flashbob_backend)
@@ -307,10 +384,21 @@ def run(*, out: str, sizes: list[int], budget_s: float = 90.0, use_flashbob: boo
             missing = [k for k, v in prof["kernels"].items() if not v["calls_per_step"]]
             if missing:
                 rec.note(f"profiler at N={profile_n}: no device time recorded for {', '.join(missing)}")
-        except Exception as exc:  # noqa: BLE001 - the sweep below still runs
-            rec.note(f"profiler at N={profile_n} failed: {type(exc).__name__}: {str(exc)[:300]}")
+            if sweep_share > 0:
+                from ds_ttt.ops.flashbob.builder import load_cuda_op
+
+                check_x = make_inputs(check_n, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, device=device)
+                sweep, bad = tile_sweep(load_cuda_op(), attn, x, n=profile_n, head_dim=head_dim,
+                                        budget_s=sweep_share * budget_s, check_x=check_x, default_times=times)
+                rec.set(tile_sweep=sweep)
+                ran = [r["name"] for r in sweep["sets"] if r.get("status") == "ok"]
+                failed |= not rec.check(f"every tile set's second-order step vs fp32 math at N={check_n} (rel err "
+                                        f"< {TRIPWIRE_REL_ERR:g})", not bad,
+                                        f"ran {', '.join(ran) or 'none'}" + (f"; wrong: {', '.join(bad)}" if bad else ""))
+        except Exception as exc:  # noqa: BLE001 - the size sweep below still runs
+            rec.note(f"profiler / tile sweep at N={profile_n} failed: {type(exc).__name__}: {str(exc)[:300]}")
         finally:
-            x = None
+            x = check_x = None
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -380,6 +468,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-flashbob", action="store_true", help="baselines only (the CUDA op did not build)")
     ap.add_argument("--check-n", type=int, default=1024)
     ap.add_argument("--profile-n", type=int, default=8192, help="per-kernel profiler times at this N (0: off)")
+    ap.add_argument("--sweep-share", type=float, default=SWEEP_SHARE,
+                    help="share of --budget-s for the tile-shape sweep at --profile-n (0: off)")
     return ap.parse_args(argv)
 
 
@@ -389,7 +479,7 @@ def main(argv=None) -> int:
         print("[flashbob_cuda] no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2
     data = run(out=a.out, sizes=a.sizes, budget_s=a.budget_s, use_flashbob=not a.no_flashbob, check_n=a.check_n,
-               profile_n=a.profile_n)
+               profile_n=a.profile_n, sweep_share=a.sweep_share)
     prof = data.get("kernel_profile")
     if prof:
         for k, v in prof["kernels"].items():
@@ -398,6 +488,14 @@ def main(argv=None) -> int:
         print(f"[flashbob_cuda] N={prof['n']} six kernels {prof['flashbob_kernels_ms_per_step']:.2f} ms/step: useful "
               f"{prof['useful_tflops'] or 0:.1f} TFLOP/s (50·N²·D), executed {prof['executed_tflops'] or 0:.1f} "
               f"TFLOP/s (62·N²·D)", flush=True)
+    sweep = data.get("tile_sweep")
+    if sweep:
+        for r in sweep["sets"]:
+            print(f"[flashbob_cuda] N={sweep['n']} tile set {r['name']:<13} {r.get('status')}"
+                  + (f": six kernels {r['total_ms']:.2f} ms/step" if r.get("status") == "ok" else ""), flush=True)
+        for k, b in sweep["best"].items():
+            print(f"[flashbob_cuda] fastest {k:<17} {b['set']} ({b['shape']}) {b['ms_per_step']:.2f} ms/step"
+                  + ("" if b["default_is_best"] else f"; the default set is {sweep['default_set']}"), flush=True)
     for r in data["rows"]:
         t = r.get("time_s")
         print(f"[flashbob_cuda] N={r['n']:>6} {r['method']:<20} {r.get('status')}"

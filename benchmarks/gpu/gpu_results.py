@@ -236,6 +236,7 @@ def render_summary(results_dir: str | os.PathLike) -> str:
                      f"{_fmt(prof.get('executed_tflops'))} executed, {_fmt(prof.get('useful_tflops'))} useful"])
         rows.append(["other kernels", _fmt(prof.get("other_ms_per_step")), "–", "–"])
         lines += _table(["kernel", "ms/step", "calls/step", "TFLOP/s"], rows)
+    lines += _sweep_section((fb or {}).get("tile_sweep"))
     if fb and fb.get("rows"):
         cfg = fb.get("config", {})
         where = "" if cfg.get("device", "cuda") == "cuda" else f" (device {cfg.get('device')}: not a GPU run)"
@@ -277,6 +278,33 @@ def render_summary(results_dir: str | os.PathLike) -> str:
         if notes:
             lines += ["", f"Notes ({label}):", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _sweep_section(sweep) -> list[str]:
+    """The tile-shape sweep: ms/step per kernel (rows) and tile set (columns), the fastest in bold."""
+    if not sweep:
+        return []
+    sets = sweep.get("sets", [])
+    ok = [r for r in sets if r.get("status") == "ok"]
+    lines = ["", f"## Tile-shape sweep at N={sweep.get('n')} (ms/step per kernel; shape BM/BN/warps)", "",
+             f"Default set on this GPU: {sweep.get('default_set')}. {sweep.get('note', '')}", ""]
+    kernels = sorted({k for r in ok for k in r.get("kernels_ms", {})})
+    rows = []
+    for k in kernels:
+        best = (sweep.get("best") or {}).get(k, {}).get("set")
+        cells = []
+        for r in ok:
+            v = r["kernels_ms"].get(k)
+            cell = f"{v:.2f} ({r['shapes'].get(k, '?')})" if v is not None else "–"
+            cells.append(f"**{cell}**" if r["name"] == best else cell)
+        rows.append([k, *cells])
+    rows.append(["six kernels", *[f"{r['total_ms']:.2f}" for r in ok]])
+    if ok:
+        lines += _table(["kernel", *[r["name"] + (" (default)" if r.get("default") else "") for r in ok]], rows)
+    others = [f"{r['name']}: {r.get('status')}" for r in sets if r.get("status") != "ok"]
+    if others:
+        lines += ["", "Not timed: " + "; ".join(others) + "."]
+    return lines
 
 
 def _trainer_section(tr) -> list[str]:

@@ -146,3 +146,21 @@ def test_cuda_large_gqa_step_matches_reference_at_head_dim_128():
     for i, (a, b, r) in enumerate(zip(outs["cuda"], outs["ref_bf16"], outs["ref32"])):
         err, err_ref = (a - r).abs().max().item(), (b - r).abs().max().item()
         assert err <= 4 * err_ref + 4 * torch.finfo(torch.bfloat16).eps * r.abs().max().item(), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("set_name", ["sm80", "sm90", "sm80_half_bn", "sm90_half_bn"])
+def test_cuda_every_tile_set_matches_reference(set_name):
+    # Every tile set the library carries (ds_ttt/ops/flashbob/tiles.py), not only the device's
+    # default: the tile-shape sweep times them all. bf16 at D = 128 (what every set is built for),
+    # GQA, causal with a window, several 128-row and 128-key blocks.
+    from ds_ttt.ops.flashbob.builder import load_cuda_op
+    from ds_ttt.ops.flashbob.tiles import tile_set, use_tile_set
+
+    op = load_cuda_op()
+    major, minor = torch.cuda.get_device_capability()
+    if tile_set(op, set_name)["arch"] > major * 100 + minor * 10:
+        pytest.skip(f"tile set {set_name} is compiled for sm_{tile_set(op, set_name)['arch'] // 10}+")
+    case = ("gqa_window_blocks", 1, 4, 2, 200, 300, 128, dict(causal=True, window=150))
+    with use_tile_set(op, set_name):
+        _check(case, torch.bfloat16, seed=4)

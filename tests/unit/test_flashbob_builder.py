@@ -73,13 +73,14 @@ _PTX_FAMILIES = ("fwd_kernel", "bwd_row_kernel", "bwd_col_kernel", "bob_stats_ke
                  "bob_row_kernel", "bob_col_kernel")
 
 
-def _entry_name(fam, dt, d):
-    return f"_ZN8flashbob12_GLOBAL__N_1{len(fam)}{fam}I{dt}Li{d}ENS0_5TilesILi64ELi64ELi4EEEEEvPKT_"
+def _entry_name(fam, dt, d, arch=800):
+    return f"_ZN8flashbob12_GLOBAL__N_1{len(fam)}{fam}I{dt}Li{d}ENS0_5TilesILi64ELi64ELi4ELi{arch}EEEEEvPKT_"
 
 
-def _synthetic_ptx(tmp_path, drop_mma_in=None, drop_entry=None):
-    """PTX text with the 24 kernel entries (6 kernels x bf16/fp16 x D 64/128), Itanium-mangled
-    like nvcc's; every entry has one mma.sync unless it is `drop_mma_in`."""
+def _synthetic_ptx(tmp_path, drop_mma_in=None, drop_entry=None, stub_with_mma=False):
+    """sm_80 PTX text with the 24 kernel entries (6 kernels x bf16/fp16 x D 64/128), Itanium-mangled
+    like nvcc's, each with one mma.sync unless it is `drop_mma_in`; plus, per kernel, a stub of a
+    tile shape built for sm_90 (a trap; with an mma too if `stub_with_mma`)."""
     lines = [".version 8.8", ".target sm_80", ".address_size 64"]
     for fam in _PTX_FAMILIES:
         for dt in ("13__nv_bfloat16", "6__half"):
@@ -94,6 +95,12 @@ def _synthetic_ptx(tmp_path, drop_mma_in=None, drop_entry=None):
                                  "{%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4}, {%r5, %r6}, "
                                  "{%f1, %f2, %f3, %f4};")
                 lines += ["\tret;", "}"]
+        lines += [f".entry {_entry_name(fam, '13__nv_bfloat16', 128, arch=900)}(", "\t.param .u64 p0", ")", "{",
+                  "\ttrap;"]
+        if stub_with_mma:
+            lines.append("\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, "
+                         "{%r1, %r2, %r3, %r4}, {%r5, %r6}, {%f1, %f2, %f3, %f4};")
+        lines += ["\tret;", "}"]
     p = tmp_path / "kernels.ptx"
     p.write_text("\n".join(lines) + "\n")
     return p
@@ -108,13 +115,15 @@ def _run_ptx_check(path):
 def test_ptx_check_passes_only_when_every_kernel_entry_has_mma(tmp_path):
     ok = _run_ptx_check(_synthetic_ptx(tmp_path))
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "tensor-core MMA in all 24 kernel entries" in ok.stdout
+    assert "tensor-core MMA in all 24 compiled kernel entries (6 stubs of tile shapes" in ok.stdout
     victim = _entry_name("bob_col_kernel", "6__half", 128)
     no_mma = _run_ptx_check(_synthetic_ptx(tmp_path, drop_mma_in=victim))
     assert no_mma.returncode != 0, no_mma.stdout
     assert "bob_col_kernel" in no_mma.stdout and "no mma.sync" in no_mma.stdout
     missing = _run_ptx_check(_synthetic_ptx(tmp_path, drop_entry=victim))
-    assert missing.returncode != 0 and "3 PTX entries, expected 4" in missing.stdout
+    assert missing.returncode != 0 and "bob_col_kernel: no compiled PTX entry for fp16 D=128" in missing.stdout
+    bad_stub = _run_ptx_check(_synthetic_ptx(tmp_path, stub_with_mma=True))
+    assert bad_stub.returncode != 0 and "must be a trap stub here" in bad_stub.stdout
 
 
 # ---- prebuilt objects: the C-ABI library (capi.py) and the manifest rules of load_with_prebuilt ---------
@@ -184,6 +193,26 @@ def test_capi_checks_and_errors_read_like_the_binding(emu_capi_lib):
     capi.fwd(q, k, v, True, 0, 0, 0, 0.125)  # fwd_kernel is now the last one enqueued
     with pytest.raises(RuntimeError, match=r"flashbob cuda fwd failed in fwd_kernel: .*CUDA_LAUNCH_BLOCKING=1"):
         capi._launch("fwd", lambda: 1)
+
+
+def test_capi_tile_sets_read_and_switch_like_the_binding(emu_capi_lib):
+    """The tile-set functions through ctypes: the same sets as the torch-extension build, the
+    override and its refusals; the device rule itself is tested in test_flashbob_cuda_emu.py."""
+    from ds_ttt.ops.flashbob.tiles import active_tile_set, tile_sets, use_tile_set
+
+    capi, ext = FlashBoBLib(emu_capi_lib, device_type="cpu"), fb_builder.load_cuda_emu_op()
+    assert tile_sets(capi) == tile_sets(ext) and len(tile_sets(capi)) == capi.num_tile_sets() == 4
+    assert active_tile_set(capi)["name"] == "sm80" and capi.device_tile_set() == 0  # its emulated A100
+    q, k, v, *_ = _qkv()
+    with use_tile_set(capi, "sm90"):
+        assert capi.tile_set() == 1 and active_tile_set(capi)["overridden"]
+        with pytest.raises(RuntimeError, match="sm90 is compiled for sm_90 and later; this GPU is sm_80"):
+            capi.fwd(q, k, v, True, 0, 0, 0, 0.125)
+    with use_tile_set(capi, "sm80_half_bn"), pytest.raises(RuntimeError, match="bfloat16 at head dim 128 only"):
+        capi.bwd(q, k, v, q, torch.zeros(1, 4, 40, 2), q, True, 0, 0, 0, 0.125)
+    assert capi.tile_set() == -1
+    with pytest.raises(RuntimeError, match="no tile set 9"):
+        capi.set_tile_set(9)
 
 
 def test_capi_probe_gives_the_probe_binding_registers(emu_capi_lib):

@@ -15,14 +15,41 @@ fp16, head dims 64 and 128, causal / non-causal / window, explicit and right-ali
 rectangular shapes, MHA / GQA / MQA (G = 3 too), batch 2, fully masked rows (exact zeros) and keys
 no query sees (exact zeros), full tiles and ragged edges, and the zero-tangent patterns.
 The emulator is slow (one host thread per lane), so the shapes are small.
+
+Tile sets (ds_ttt/ops/flashbob/tiles.py): every case runs with both default sets, each picked by
+the launchers from the emulated device as on a GPU: "sm80" (64-row blocks of 4 warps) on an
+emulated A100, "sm90" (128-row blocks of 8 warps, up to 188 KB of shared memory) on an emulated
+H100. The sweep's sets (bf16, D = 128) run the D = 128 bf16 cases; the device rule and the
+refusals are tested too.
 """
+
+import contextlib
 
 import pytest
 import torch
 
+from ds_ttt.ops.flashbob.builder import load_cuda_emu_op
 from ds_ttt.ops.flashbob.reference import default_q_offset, visibility_mask
+from ds_ttt.ops.flashbob.tiles import active_tile_set, tile_set, tile_sets, use_tile_set
 from tests.unit.flashbob_cases import (FACTORS, NAMES, derived_tol, make_inputs, max_err,
                                        second_order)
+
+# Emulated devices: (compute capability major, minor, opt-in shared memory per block in bytes).
+A100, H100, RTX4090 = (8, 0, 163 * 1024), (9, 0, 227 * 1024), (8, 9, 99 * 1024)
+DEFAULT_SETS = {"sm80": A100, "sm90": H100}  # the set each device picks by itself
+SWEEP_SETS = ("sm80_half_bn", "sm90_half_bn")  # built for bf16 at D = 128, run on an H100
+
+
+@contextlib.contextmanager
+def emulated(device, set_name=None):
+    """The emulated GPU `device` (and an explicit tile set) inside the block; an A100 after."""
+    op = load_cuda_emu_op()
+    op.set_emulated_device(*device)
+    try:
+        with use_tile_set(op, set_name):
+            yield op
+    finally:
+        op.set_emulated_device(*A100)
 
 EMU_CASES = [
     # (id, B, Hq, Hkv, Nq, Nk, D, kwargs, dtype)
@@ -40,6 +67,9 @@ EMU_CASES = [
     ("masked_rows_window_gqa_fp16", 1, 2, 1, 40, 40, 64,
      dict(causal=True, window=5, q_offset=0, k_offset=20), torch.float16),
     ("more_queries_than_keys_bf16", 1, 2, 1, 60, 30, 64, dict(causal=True), torch.bfloat16),
+    # two 128-key column blocks and two 128-row row blocks (the sm90 set's shapes), window
+    ("two_128_blocks_window_d128_bf16", 1, 2, 1, 70, 150, 128, dict(causal=True, window=100),
+     torch.bfloat16),
 ]
 
 
@@ -65,9 +95,12 @@ def _check(case, pattern=(1, 1, 1)):
     return emu
 
 
+@pytest.mark.parametrize("set_name", sorted(DEFAULT_SETS))
 @pytest.mark.parametrize("case", EMU_CASES, ids=[c[0] for c in EMU_CASES])
-def test_emulated_cuda_kernels_match_reference(case):
-    out = _check(case)
+def test_emulated_cuda_kernels_match_reference(case, set_name):
+    with emulated(DEFAULT_SETS[set_name]) as op:  # the device picks the set
+        assert active_tile_set(op)["name"] == set_name
+        out = _check(case)
     _, _, _, _, Nq, Nk, _, kw, _ = case
     mask = _mask(Nq, Nk, kw)
     blind_rows, unseen_keys = ~mask.any(1), ~mask.any(0)
@@ -75,6 +108,60 @@ def test_emulated_cuda_kernels_match_reference(case):
         assert torch.count_nonzero(out[n][:, :, blind_rows]) == 0, n
     for n in ("dk", "dv", "kbar", "vbar"):  # keys that no row sees: exact zeros
         assert torch.count_nonzero(out[n][:, :, unseen_keys]) == 0, n
+
+
+SWEEP_CASES = [c for c in EMU_CASES if c[6] == 128 and c[8] == torch.bfloat16]
+
+
+@pytest.mark.parametrize("set_name", SWEEP_SETS)
+@pytest.mark.parametrize("case", SWEEP_CASES, ids=[c[0] for c in SWEEP_CASES])
+def test_emulated_sweep_tile_sets_match_reference(case, set_name):
+    with emulated(H100, set_name) as op:
+        assert active_tile_set(op)["name"] == set_name and active_tile_set(op)["overridden"]
+        _check(case)
+
+
+def test_tile_sets_shapes_and_the_device_rule():
+    op = load_cuda_emu_op()
+    sets = {s["name"]: s for s in tile_sets(op)}
+    assert list(sets) == ["sm80", "sm90", "sm80_half_bn", "sm90_half_bn"]
+    shape = {(n, x["kernel"], x["D"]): x for n, s in sets.items() for x in s["shapes"]}
+    for k in ("bwd_row_kernel", "bwd_col_kernel", "bob_stats_kernel", "bob_row_kernel", "bob_col_kernel"):
+        for D in (64, 128):
+            a, b = shape[("sm80", k, D)], shape[("sm90", k, D)]
+            assert (a["BM"], a["warps"], a["arch"]) == (64, 4, 800) and (b["BM"], b["warps"], b["arch"]) == (128, 8, 900)
+            assert a["BN"] == b["BN"] and a["smem_bytes"] <= 163 * 1024 and b["smem_bytes"] <= 227 * 1024
+            if k.startswith("bob") and D == 128:
+                assert b["smem_bytes"] > 163 * 1024  # only an H100/H200 holds these
+        for half, full in (("sm80_half_bn", "sm80"), ("sm90_half_bn", "sm90")):
+            assert shape[(half, k, 128)]["BN"] * 2 == shape[(full, k, 128)]["BN"]
+            assert (half, k, 64) not in shape and sets[half]["dtypes"] == ["bf16"]
+    assert shape[("sm90", "fwd_kernel", 128)]["BM"] == 128 and shape[("sm90", "fwd_kernel", 128)]["warps"] == 8
+    # the device decides: compute capability 9.0+ with 227 KB per block gets sm90, anything else sm80
+    for device, expected in ((A100, "sm80"), (H100, "sm90"), (RTX4090, "sm80"), ((12, 0, 99 * 1024), "sm80"),
+                             ((10, 0, 227 * 1024), "sm90")):
+        with emulated(device) as op:
+            assert active_tile_set(op) == {**sets[expected], "overridden": False}, device
+
+
+def test_tile_set_refusals_name_the_reason():
+    q = torch.randn(1, 2, 40, 64).to(torch.bfloat16)
+    with emulated(A100, "sm90") as op, pytest.raises(RuntimeError, match="sm90 is compiled for sm_90 and later; "
+                                                                           "this GPU is sm_80"):
+        op.fwd(q, q, q, True, 0, 0, 0, 0.125)
+    with emulated(H100, "sm90_half_bn") as op, pytest.raises(RuntimeError, match="bfloat16 at head dim 128 only"):
+        op.fwd(q, q, q, True, 0, 0, 0, 0.125)
+    # a default shape the device cannot hold is the launch's error, as on the GPU (no silent fallback)
+    q128 = torch.randn(1, 1, 64, 128).to(torch.bfloat16)
+    with emulated(RTX4090) as op, pytest.raises(RuntimeError, match="bwd_bwd failed"):
+        o, stats = op.fwd(q128, q128, q128, True, 0, 0, 0, 0.125)
+        op.bwd_bwd(q128, q128, q128, o, stats, q128, q128, q128, q128, q128, True, 0, 0, 0, 0.125)
+    op = load_cuda_emu_op()
+    with pytest.raises(ValueError, match="unknown tile set 'sm70'"):
+        tile_set(op, "sm70")
+    with pytest.raises(RuntimeError, match="no tile set 7"):
+        op.set_tile_set(7)
+    assert op.tile_set() == -1
 
 
 def test_emulated_cases_cover_every_feature():
@@ -92,15 +179,19 @@ def test_emulated_cases_cover_every_feature():
     assert has(lambda B, Hq, Hkv, Nq, Nk, D, kw, dt: "q_offset" in kw)             # explicit
     assert has(lambda B, Hq, Hkv, Nq, Nk, D, kw, dt: "q_offset" not in kw and Nq != Nk)
     assert has(lambda B, Hq, Hkv, Nq, Nk, D, kw, dt: B > 1)
+    # more than one block of 128 packed rows and of 128 keys (the sm90 set's block size)
+    assert has(lambda B, Hq, Hkv, Nq, Nk, D, kw, dt: Nk > 128 and Nq * Hq // Hkv > 128)
     assert has(lambda B, Hq, Hkv, Nq, Nk, D, kw, dt: bool((~_mask(Nq, Nk, kw).any(1)).any()))
     assert has(lambda B, Hq, Hkv, Nq, Nk, D, kw, dt: bool((~_mask(Nq, Nk, kw).any(0)).any()))
 
 
 @pytest.mark.parametrize("pattern", [(1, 0, 0), (0, 1, 0), (0, 0, 1)],
                          ids=lambda p: "uq%d_uk%d_uv%d" % p)
-def test_emulated_cuda_zero_tangents(pattern):
+@pytest.mark.parametrize("set_name", sorted(DEFAULT_SETS))
+def test_emulated_cuda_zero_tangents(pattern, set_name):
     case = ("tiny", 1, 2, 1, 40, 50, 64, dict(causal=True, window=30), torch.bfloat16)
-    out = _check(case, pattern)
+    with emulated(DEFAULT_SETS[set_name]):
+        out = _check(case, pattern)
     if pattern == (0, 0, 1):
         assert torch.count_nonzero(out["vbar"]) == 0
 

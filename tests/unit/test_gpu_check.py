@@ -680,6 +680,51 @@ class _Evt:
         self.key, self.device_time_total, self.count = key, us, count
 
 
+def _emulated_attn(q, k, v):
+    """The CUDA kernels through the CPU emulator, causal (what flashbob_attn("cuda") runs on a GPU)."""
+    from ds_ttt.ops.flashbob.function import AttnFunc
+
+    return AttnFunc.apply(q, k, v, "cuda_emu", True, q.shape[-1] ** -0.5, 0, k.shape[2] - q.shape[2], 0)
+
+
+def test_tile_sweep_runs_every_set_on_the_emulator_and_names_the_fastest(emu_op):
+    """The sweep's loop on the emulated kernels: on an emulated H100 all four tile sets run (each
+    through the tripwire against fp32 math), on an emulated A100 the sm_90-only sets are recorded
+    with the binding's reason; a set over the time budget is skipped; the summary shows the table."""
+    x = bfc.make_inputs(32, heads_q=1, heads_kv=1, head_dim=128, device="cpu")
+    check_x = bfc.make_inputs(24, heads_q=1, heads_kv=1, head_dim=128, device="cpu", seed=1)
+    try:
+        emu_op.set_emulated_device(9, 0, 227 * 1024)
+        rec, bad = bfc.tile_sweep(emu_op, _emulated_attn, x, n=32, head_dim=128, budget_s=600, check_x=check_x,
+                                  cuda=False)
+        assert bad == [] and rec["default_set"] == "sm90"
+        assert [r["name"] for r in rec["sets"]] == ["sm80", "sm90", "sm80_half_bn", "sm90_half_bn"]
+        assert all(r["status"] == "ok" and max(r["rel_err"].values()) < bfc.TRIPWIRE_REL_ERR for r in rec["sets"])
+        assert rec["sets"][1]["shapes"]["bob_row_kernel"] == "128/32/8" and rec["sets"][1]["default"]
+        assert rec["sets"][2]["shapes"]["bob_col_kernel"] == "64/16/4"
+        assert rec["best"]["wall"]["set"] in {r["name"] for r in rec["sets"]}
+        emu_op.set_emulated_device(8, 0, 163 * 1024)
+        rec, bad = bfc.tile_sweep(emu_op, _emulated_attn, x, n=32, head_dim=128, budget_s=0.0, cuda=False)
+        assert rec["default_set"] == "sm80" and rec["sets"][0]["status"] == "ok"
+        assert rec["sets"][1]["status"].startswith("skipped (time budget)")  # the first set's cost is over
+        rec, _ = bfc.tile_sweep(emu_op, _emulated_attn, x, n=32, head_dim=128, budget_s=600, cuda=False)
+        assert "compiled for sm_90 and later; this GPU is sm_80" in rec["sets"][1]["status"]
+        assert [r["status"] for r in rec["sets"]].count("ok") == 1
+    finally:
+        emu_op.set_emulated_device(8, 0, 163 * 1024)
+    sweep = {"n": 8192, "default_set": "sm90", "note": "decide by measurement", "best": {
+        "bob_row_kernel": {"set": "sm80", "ms_per_step": 1.0, "shape": "64/32/4", "default_is_best": False}},
+        "sets": [{"name": "sm80", "status": "ok", "default": False, "shapes": {"bob_row_kernel": "64/32/4"},
+                  "kernels_ms": {"bob_row_kernel": 1.0}, "total_ms": 1.0},
+                 {"name": "sm90", "status": "ok", "default": True, "shapes": {"bob_row_kernel": "128/32/8"},
+                  "kernels_ms": {"bob_row_kernel": 2.0}, "total_ms": 2.0},
+                 {"name": "sm90_half_bn", "status": "skipped (time budget)"}]}
+    text = "\n".join(gpu_results._sweep_section(sweep))
+    assert "| kernel | sm80 | sm90 (default) |" in text and "| bob_row_kernel | **1.00 (64/32/4)** | 2.00 (128/32/8) |" in text
+    assert "| six kernels | 1.00 | 2.00 |" in text
+    assert "Not timed: sm90_half_bn: skipped (time budget)." in text
+
+
 def test_kernel_times_and_both_flop_counts():
     ev = [_Evt("void flashbob::(anonymous namespace)::bob_row_kernel<__nv_bfloat16, 128, flashbob::Tiles<64, 32, 4> >"
                "(...)", 3000.0, 3), _Evt("void flashbob::(anonymous namespace)::fwd_kernel<__nv_bfloat16, 128, "

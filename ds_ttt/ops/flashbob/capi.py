@@ -10,7 +10,8 @@ cudart linked statically (as NCCL does), so the library depends on no torch and 
 and a GPU machine imports it instead of JIT-building the torch extension (builder.load_cuda_op
 picks it when its manifest matches the sources and the GPU). These classes do what the torch
 bindings do (flashbob_cuda.cpp, mma_probe_bindings.h): the same input checks with the same
-messages, output allocation, the current CUDA stream, and an error naming the kernel enqueued last.
+messages, output allocation, the current CUDA stream, an error naming the kernel enqueued last, and
+the tile-set functions (num_tile_sets, tile_set_json, set_tile_set, ...; see tiles.py).
 
 device_type="cpu" drives the emulated build of the same C file (csrc/emu/capi_emu.cpp) with CPU
 tensors: tests/unit/test_flashbob_builder.py checks this path against the reference without a GPU.
@@ -25,7 +26,7 @@ import torch
 
 __all__ = ["FlashBoBLib", "ProbeLib", "CAPI_VERSION"]
 
-CAPI_VERSION = 1
+CAPI_VERSION = 2  # 2: tile sets
 _P = ctypes.c_void_p
 _I64P = ctypes.POINTER(ctypes.c_int64)
 
@@ -70,6 +71,43 @@ class FlashBoBLib(_Lib):
         self.lib.flashbob_bwd_bwd.argtypes = ints + [_P] * 16 + tail
         for f in (self.lib.flashbob_fwd, self.lib.flashbob_bwd, self.lib.flashbob_bwd_bwd):
             f.restype = ctypes.c_int
+        lib = self.lib
+        for f in (lib.flashbob_num_tile_sets, lib.flashbob_tile_set, lib.flashbob_device_tile_set,
+                  lib.flashbob_active_tile_set):
+            f.restype, f.argtypes = ctypes.c_int, []
+        lib.flashbob_set_tile_set.restype, lib.flashbob_set_tile_set.argtypes = ctypes.c_int, [ctypes.c_int]
+        lib.flashbob_tile_set_json.restype, lib.flashbob_tile_set_json.argtypes = ctypes.c_char_p, [ctypes.c_int]
+        lib.flashbob_tile_set_unavailable.restype = ctypes.c_char_p
+        lib.flashbob_tile_set_unavailable.argtypes = [ctypes.c_int, ctypes.c_int]
+
+    # -- tile sets (flashbob_cuda.h; the torch binding's functions of the same names) --
+    def num_tile_sets(self) -> int:
+        return self.lib.flashbob_num_tile_sets()
+
+    def tile_set_json(self, set_id: int) -> str:
+        j = self.lib.flashbob_tile_set_json(set_id)
+        if j is None:
+            raise RuntimeError(f"flashbob cuda: no tile set {set_id}")
+        return j.decode()
+
+    def set_tile_set(self, set_id: int) -> None:
+        if self.lib.flashbob_set_tile_set(set_id) != 0:
+            raise RuntimeError(f"flashbob cuda: no tile set {set_id} (0..{self.num_tile_sets() - 1}, or -1 for "
+                               "the device's)")
+
+    def tile_set(self) -> int:
+        return self.lib.flashbob_tile_set()
+
+    def device_tile_set(self) -> int:
+        return self.lib.flashbob_device_tile_set()
+
+    def active_tile_set(self) -> int:
+        return self.lib.flashbob_active_tile_set()
+
+    def _check_tile_set(self, q) -> None:
+        why = self.lib.flashbob_tile_set_unavailable(self._dt(q), q.shape[3])
+        if why is not None:
+            raise RuntimeError(f"flashbob cuda: {why.decode()}")
 
     # -- checks (the binding's TORCH_CHECKs, same wording) --
     def _check_input(self, t: torch.Tensor, name: str, ref: torch.Tensor) -> None:
@@ -135,6 +173,7 @@ class FlashBoBLib(_Lib):
     def fwd(self, q, k, v, causal, window, q_off, k_off, scale):
         g = self._geo(q, k, v, causal, window, q_off, k_off)
         with self._guard(q):
+            self._check_tile_set(q)
             o = torch.empty_like(q)
             stats = torch.empty(q.shape[0], q.shape[1], q.shape[2], 2, device=q.device, dtype=torch.float32)
             self._launch("fwd", self.lib.flashbob_fwd, self._dt(q), q.shape[3], _ptr(q), _ptr(k), _ptr(v), _ptr(o),
@@ -152,6 +191,7 @@ class FlashBoBLib(_Lib):
         self._check_like(dout, "dout", q)
         self._check_stats(stats, q)
         with self._guard(q):
+            self._check_tile_set(q)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
             self._launch("bwd", self.lib.flashbob_bwd, self._dt(q), q.shape[3], _ptr(q), _ptr(k), _ptr(v), _ptr(o),
@@ -170,6 +210,7 @@ class FlashBoBLib(_Lib):
         if uq is None and uk is None and uv is None:
             raise RuntimeError("bwd_bwd needs at least one tangent")
         with self._guard(q):
+            self._check_tile_set(q)
             qbar, dobar, kbar, vbar = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
             alpha, e0 = torch.empty_like(delta), torch.empty_like(delta)

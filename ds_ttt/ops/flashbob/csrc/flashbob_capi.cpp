@@ -21,11 +21,22 @@ flashbob::Dtype dtype_of(int dt) { return dt == 0 ? flashbob::Dtype::kBF16 : fla
 
 extern "C" {
 
-int flashbob_capi_version() { return 1; }
+int flashbob_capi_version() { return 2; }
 
 const char* flashbob_last_kernel() { return flashbob::last_launched_kernel(); }
 
 const char* flashbob_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
+
+// Tile sets (flashbob_cuda.h). tile_set_unavailable: nullptr when the active set can launch.
+int flashbob_num_tile_sets() { return flashbob::num_tile_sets(); }
+const char* flashbob_tile_set_json(int set) { return flashbob::tile_set_json(set); }
+int flashbob_set_tile_set(int set) { return (int)flashbob::set_tile_set(set); }
+int flashbob_tile_set() { return flashbob::tile_set(); }
+int flashbob_device_tile_set() { return flashbob::device_tile_set(); }
+int flashbob_active_tile_set() { return flashbob::active_tile_set(); }
+const char* flashbob_tile_set_unavailable(int dt, int D) {
+  return flashbob::tile_set_unavailable(dtype_of(dt), D);
+}
 
 int flashbob_fwd(int dt, int D, const void* q, const void* k, const void* v, void* o, float* stats,
                  const int64_t* geo, float scale, void* stream) {

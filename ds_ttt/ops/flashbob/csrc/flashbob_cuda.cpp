@@ -67,6 +67,12 @@ void check_stats(const at::Tensor& stats, const flashbob::Geo& g, const at::Tens
               "stats must be a contiguous float32 CUDA tensor [B, Hq, Nq, 2]");
 }
 
+// The active tile set must be built for this dtype / head dim and this GPU (flashbob_cuda.h).
+void check_tile_set(const at::Tensor& q) {
+  const char* why = flashbob::tile_set_unavailable(dtype_of(q), (int)q.size(3));
+  TORCH_CHECK(why == nullptr, "flashbob cuda: ", why ? why : "");
+}
+
 void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "flashbob cuda ", what, " failed in ",
               flashbob::last_launched_kernel(), ": ", cudaGetErrorString(err),
@@ -79,6 +85,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                             double scale) {
   const auto g = make_geo(q, k, v, causal, window, q_off, k_off, scale);
   const c10::cuda::CUDAGuard guard(q.device());
+  check_tile_set(q);
   auto o = at::empty_like(q);
   auto stats = at::empty({g.B, g.Hq, g.Nq, 2}, q.options().dtype(at::kFloat));
   check_launch(flashbob::launch_fwd(dtype_of(q), (int)q.size(3), q.data_ptr(), k.data_ptr(),
@@ -97,6 +104,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& q, const at::Tensor& k, const at::
   check_like(dout, "dout", q);
   check_stats(stats, g, q);
   const c10::cuda::CUDAGuard guard(q.device());
+  check_tile_set(q);
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   auto delta = at::empty({g.B, g.Hq, g.Nq}, q.options().dtype(at::kFloat));
   check_launch(flashbob::launch_bwd(dtype_of(q), (int)q.size(3), q.data_ptr(), k.data_ptr(),
@@ -127,6 +135,7 @@ std::vector<at::Tensor> bwd_bwd(const at::Tensor& q, const at::Tensor& k, const 
   if (uv) check_like(*uv, "uv", k);
   TORCH_CHECK(uq || uk || uv, "bwd_bwd needs at least one tangent");
   const c10::cuda::CUDAGuard guard(q.device());
+  check_tile_set(q);
   auto qbar = at::empty_like(q), dobar = at::empty_like(q);
   auto kbar = at::empty_like(k), vbar = at::empty_like(v);
   auto delta = at::empty({g.B, g.Hq, g.Nq}, q.options().dtype(at::kFloat));
@@ -152,4 +161,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "forward -> (o, stats [B, Hq, Nq, 2] fp32)");
   m.def("bwd", &bwd, "first backward -> (dq, dk, dv)");
   m.def("bwd_bwd", &bwd_bwd, "backward over backward -> (q̄, k̄, v̄, dō, D, α, E°)");
+  // Tile sets (flashbob_cuda.h); ds_ttt/ops/flashbob/tiles.py wraps these.
+  m.def("num_tile_sets", &flashbob::num_tile_sets);
+  m.def("tile_set_json", [](int set) {
+    const char* j = flashbob::tile_set_json(set);
+    TORCH_CHECK(j != nullptr, "flashbob cuda: no tile set ", set);
+    return std::string(j);
+  });
+  m.def("set_tile_set", [](int set) {
+    TORCH_CHECK(flashbob::set_tile_set(set) == cudaSuccess, "flashbob cuda: no tile set ", set,
+                " (0..", flashbob::num_tile_sets() - 1, ", or -1 for the device's)");
+  });
+  m.def("tile_set", &flashbob::tile_set);
+  m.def("device_tile_set", &flashbob::device_tile_set);
+  m.def("active_tile_set", &flashbob::active_tile_set);
 }

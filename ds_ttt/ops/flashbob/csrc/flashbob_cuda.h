@@ -81,6 +81,22 @@ cudaError_t launch_bwd_bwd(Dtype dt, int D, const void* q, const void* k, const 
                            void* dobar, float* delta, float* alpha, float* e0, const Geo& g,
                            cudaStream_t stream);
 
+// Tile sets: the tile shapes of all six kernels for one kind of GPU (flashbob_cuda_kernel.cu lists
+// them). The launchers use active_tile_set(): the override from set_tile_set, or, when that is -1
+// (the default), device_tile_set(), the set for the current device (sm90 on compute capability
+// 9.0+ with 227 KB of shared memory per block, else sm80).
+int num_tile_sets();
+// {"id", "name", "arch", "dtypes", "shapes": [{"kernel", "D", "BM", "BN", "warps", "arch",
+// "smem_bytes"}, ...]} as JSON, or nullptr for an unknown set.
+const char* tile_set_json(int set);
+int device_tile_set();
+int active_tile_set();
+cudaError_t set_tile_set(int set);  // -1: by device; cudaErrorInvalidValue when out of range
+int tile_set();                     // the override (-1: none)
+// Why the active set cannot launch this dtype / head dim on the current device (a sweep set is
+// built for bf16 at D = 128 only; a set compiled for sm_90 cannot run on sm_80), or nullptr.
+const char* tile_set_unavailable(Dtype dt, int D);
+
 // Name of the kernel the launchers on this thread enqueued last ("fwd_kernel", ..., "bob_col_kernel";
 // "none" before any launch): where a launcher's error came from.
 const char* last_launched_kernel();

@@ -31,9 +31,10 @@
 // are A operands too. Softmax statistics, row scalars and all elementwise math are fp32; only
 // GEMM inputs are bf16/fp16 (as in FlashAttention).
 //
-// Tile shapes are template parameters (Tiles<BM, BN, warps>), chosen per kernel and head dim in
-// Shapes<D> below (overridable at compile time for a GPU sweep); the values there are starting
-// points, not tuned on a GPU yet.
+// Tile shapes are template parameters (Tiles<BM, BN, warps, ARCH>), grouped into tile sets
+// (Shapes<set, D> below): "sm80" (64-row blocks of 4 warps, every sm_80/sm_90 part) and "sm90"
+// (128-row blocks of 8 warps, compiled for sm_90 only), picked at run time from the device, plus
+// two sets for benchmarks/gpu's tile-shape sweep. None has been measured on a GPU yet.
 //
 // The same source compiles as C++ under FLASHBOB_CUDA_EMU (csrc/emu/: one host thread per CUDA
 // thread, tensor-core instructions emulated with the PTX ISA's fragment layouts), so the kernels
@@ -50,8 +51,11 @@
 #define FB_LAUNCH(kernel, grid, smem, stream, ...) kernel<<<grid, NT, smem, stream>>>(__VA_ARGS__)
 #endif
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
 #include "flashbob_cuda.h"
 #include "flashbob_cuda_tiles.cuh"
@@ -218,7 +222,7 @@ __device__ __forceinline__ void row_delta(float (&dl)[MT][2], const T* o, const 
 
 // ------------------------------------------------------------------------------- forward
 template <typename T, int D, class TL>
-__global__ void __launch_bounds__(TL::NT, 1) fwd_kernel(const T* __restrict__ q,
+__device__ __forceinline__ void fwd_pass(const T* __restrict__ q,
                                                      const T* __restrict__ k,
                                                      const T* __restrict__ v, T* __restrict__ o,
                                                      float* __restrict__ stats, Geo g) {
@@ -331,9 +335,20 @@ __global__ void __launch_bounds__(TL::NT, 1) fwd_kernel(const T* __restrict__ q,
     }
 }
 
+template <typename T, int D, class TL>
+__global__ void __launch_bounds__(TL::NT, 1) fwd_kernel(const T* __restrict__ q,
+                                                     const T* __restrict__ k,
+                                                     const T* __restrict__ v, T* __restrict__ o,
+                                                     float* __restrict__ stats, Geo g) {
+  if constexpr (compiled_here<TL>())
+    fwd_pass<T, D, TL>(q, k, v, o, stats, g);
+  else
+    not_compiled_here();
+}
+
 // ------------------------------------------------------------------------------- first backward
 template <typename T, int D, class TL>
-__global__ void __launch_bounds__(TL::NT, 1) bwd_row_kernel(
+__device__ __forceinline__ void bwd_row_pass(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ o, const float* __restrict__ stats, const T* __restrict__ dout,
     T* __restrict__ dq, float* __restrict__ delta, Geo g) {
@@ -422,6 +437,17 @@ __global__ void __launch_bounds__(TL::NT, 1) bwd_row_kernel(
     }
 }
 
+template <typename T, int D, class TL>
+__global__ void __launch_bounds__(TL::NT, 1) bwd_row_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ o, const float* __restrict__ stats, const T* __restrict__ dout,
+    T* __restrict__ dq, float* __restrict__ delta, Geo g) {
+  if constexpr (compiled_here<TL>())
+    bwd_row_pass<T, D, TL>(q, k, v, o, stats, dout, dq, delta, g);
+  else
+    not_compiled_here();
+}
+
 // Per-row fp32 scalars of a tile of packed rows, in shared memory: st holds the row stats as pairs
 // (m2, 1/l), 2·n floats; dl, al, e0 hold D, α, E° (null where a pass does not read them). The
 // column passes keep one per streamed tile, the BoB row kernel one for its own rows.
@@ -454,7 +480,7 @@ __device__ __forceinline__ void load_row_scalars(const RowScalars& cs, int n, in
 }
 
 template <typename T, int D, class TL>
-__global__ void __launch_bounds__(TL::NT, 1) bwd_col_kernel(
+__device__ __forceinline__ void bwd_col_pass(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ stats, const T* __restrict__ dout, const float* __restrict__ delta,
     T* __restrict__ dk, T* __restrict__ dv, Geo g) {
@@ -535,6 +561,17 @@ __global__ void __launch_bounds__(TL::NT, 1) bwd_col_kernel(
         store2(dv + x + db * 8 + 2 * tq, dv_acc[mt][db][2 * h], dv_acc[mt][db][2 * h + 1]);
       }
     }
+}
+
+template <typename T, int D, class TL>
+__global__ void __launch_bounds__(TL::NT, 1) bwd_col_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ stats, const T* __restrict__ dout, const float* __restrict__ delta,
+    T* __restrict__ dk, T* __restrict__ dv, Geo g) {
+  if constexpr (compiled_here<TL>())
+    bwd_col_pass<T, D, TL>(q, k, v, stats, dout, delta, dk, dv, g);
+  else
+    not_compiled_here();
 }
 
 // ------------------------------------------------------------------------------- BoB
@@ -634,10 +671,10 @@ __device__ __forceinline__ void bob_scores(float (&s)[MT][NB][4], float (&dp)[MT
 // streamed K, V, U_K, U_V.
 template <typename T, int D, class TL>
 struct BobRowSmem {
-  static constexpr int L = Smem<D>::LDS;
   T *Qs, *dOs, *UQs, *Ks, *Vs, *UKs, *UVs;
   float* sc;  // RowScalars of the block's BM rows
   __device__ explicit BobRowSmem(unsigned char* smem) {
+    constexpr int L = Smem<D>::LDS;
     Qs = reinterpret_cast<T*>(smem);
     dOs = Qs + TL::BM * L;
     UQs = dOs + TL::BM * L;
@@ -812,7 +849,10 @@ __global__ void __launch_bounds__(TL::NT, 1) bob_stats_kernel(
     const T* __restrict__ uq, const T* __restrict__ uk, const T* __restrict__ uv,
     T* __restrict__ dobar, float* __restrict__ delta, float* __restrict__ alpha,
     float* __restrict__ e0, Geo g) {
-  bob_row_pass<T, D, TL, true>(q, k, v, o, stats, dout, uq, uk, uv, dobar, delta, alpha, e0, g);
+  if constexpr (compiled_here<TL>())
+    bob_row_pass<T, D, TL, true>(q, k, v, o, stats, dout, uq, uk, uv, dobar, delta, alpha, e0, g);
+  else
+    not_compiled_here();
 }
 
 template <typename T, int D, class TL>
@@ -824,22 +864,25 @@ __global__ void __launch_bounds__(TL::NT, 1) bob_row_kernel(
     const float* __restrict__ e0, Geo g) {
   // The row kernel only reads the scalars (RowScalars), through pointers the pass also writes in
   // its stats mode; they are never written here.
-  bob_row_pass<T, D, TL, false>(q, k, v, nullptr, stats, dout, uq, uk, uv, qbar,
-                                const_cast<float*>(delta), const_cast<float*>(alpha),
-                                const_cast<float*>(e0), g);
+  if constexpr (compiled_here<TL>())
+    bob_row_pass<T, D, TL, false>(q, k, v, nullptr, stats, dout, uq, uk, uv, qbar,
+                                  const_cast<float*>(delta), const_cast<float*>(alpha),
+                                  const_cast<float*>(e0), g);
+  else
+    not_compiled_here();
 }
 
 // Shared-memory layout of the BoB column pass: own K, V, U_K, U_V; streamed Q, dO, U_Q and the
 // five row scalars of each streamed tile.
 template <typename T, int D, class TL>
 struct BobColSmem {
-  static constexpr int L = Smem<D>::LDS;
   T *Ks, *Vs, *UKs, *UVs, *Qs, *dOs, *UQs;
   float* sc;  // [2][RowScalars::floats(BN, true)]: (m2, 1/l) pairs, D, α, E°
   // The block's first output row (ColBlock::kv0), parked here across the key loop for the
   // epilogue: held in a register it was the value ptxas spilled at D = 128 (255 registers).
   int64_t* kv0;
   __device__ explicit BobColSmem(unsigned char* smem) {
+    constexpr int L = Smem<D>::LDS;
     Ks = reinterpret_cast<T*>(smem);
     Vs = Ks + TL::BM * L;
     UKs = Vs + TL::BM * L;
@@ -857,7 +900,7 @@ struct BobColSmem {
 };
 
 template <typename T, int D, class TL>
-__global__ void __launch_bounds__(TL::NT, 1) bob_col_kernel(
+__device__ __forceinline__ void bob_col_pass(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const float* __restrict__ stats, const T* __restrict__ dout, const T* __restrict__ uq,
     const T* __restrict__ uk, const T* __restrict__ uv, const float* __restrict__ delta,
@@ -969,90 +1012,144 @@ __global__ void __launch_bounds__(TL::NT, 1) bob_col_kernel(
     }
 }
 
-// ------------------------------------------------------------------------------- launchers
-// Tile shapes per kernel and head dim: Tiles<rows owned per block, rows streamed per stage, warps>.
-// Starting points sized to the register file (two D-wide fp32 accumulators plus up to four score
-// tiles per thread) and to the A100's 163 KB of opt-in shared memory per block (H100/H200: 227
-// KB), so the defaults run on every sm_80 / sm_90 part; tune on a GPU. A sweep overrides one with
-// a packed decimal BM·10000 + BN·10 + warps at compile time, e.g.
-//   DS_TTT_FLASHBOB_NVCC_FLAGS="-DFLASHBOB_TILES_BOB_ROW_D128=1280328"   (BM 128, BN 32, 8 warps)
-// (one number, because nvcc splits -D values at commas).
-template <int PACKED>
-using TilesOf = Tiles<PACKED / 10000, (PACKED / 10) % 1000, PACKED % 10>;
-#ifndef FLASHBOB_TILES_FWD_D64
-#define FLASHBOB_TILES_FWD_D64 1280644
-#endif
-#ifndef FLASHBOB_TILES_BWD_ROW_D64
-#define FLASHBOB_TILES_BWD_ROW_D64 640644
-#endif
-#ifndef FLASHBOB_TILES_BWD_COL_D64
-#define FLASHBOB_TILES_BWD_COL_D64 640644
-#endif
-#ifndef FLASHBOB_TILES_BOB_STATS_D64
-#define FLASHBOB_TILES_BOB_STATS_D64 640644
-#endif
-#ifndef FLASHBOB_TILES_BOB_ROW_D64
-#define FLASHBOB_TILES_BOB_ROW_D64 640324
-#endif
-#ifndef FLASHBOB_TILES_BOB_COL_D64
-#define FLASHBOB_TILES_BOB_COL_D64 640324
-#endif
-#ifndef FLASHBOB_TILES_FWD_D128
-#define FLASHBOB_TILES_FWD_D128 640644
-#endif
-#ifndef FLASHBOB_TILES_BWD_ROW_D128
-#define FLASHBOB_TILES_BWD_ROW_D128 640644
-#endif
-#ifndef FLASHBOB_TILES_BWD_COL_D128
-#define FLASHBOB_TILES_BWD_COL_D128 640324
-#endif
-#ifndef FLASHBOB_TILES_BOB_STATS_D128
-#define FLASHBOB_TILES_BOB_STATS_D128 640324
-#endif
-#ifndef FLASHBOB_TILES_BOB_ROW_D128
-#define FLASHBOB_TILES_BOB_ROW_D128 640324
-#endif
-#ifndef FLASHBOB_TILES_BOB_COL_D128
-#define FLASHBOB_TILES_BOB_COL_D128 640324
-#endif
-template <int D>
-struct Shapes;
+template <typename T, int D, class TL>
+__global__ void __launch_bounds__(TL::NT, 1) bob_col_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ stats, const T* __restrict__ dout, const T* __restrict__ uq,
+    const T* __restrict__ uk, const T* __restrict__ uv, const float* __restrict__ delta,
+    const float* __restrict__ alpha, const float* __restrict__ e0, T* __restrict__ kbar,
+    T* __restrict__ vbar, Geo g) {
+  if constexpr (compiled_here<TL>())
+    bob_col_pass<T, D, TL>(q, k, v, stats, dout, uq, uk, uv, delta, alpha, e0, kbar, vbar, g);
+  else
+    not_compiled_here();
+}
+
+// ------------------------------------------------------------------------------- tile sets
+// A tile set gives every kernel its Tiles<rows owned per block, rows streamed per stage, warps,
+// ARCH> per head dim. All sets are compiled into the one library, so a GPU run can time each of
+// them without a rebuild (benchmarks/gpu/bench_flashbob_cuda.py's sweep); the launchers use the
+// set chosen for the device unless set_tile_set overrides it. ARCH is the lowest __CUDA_ARCH__ a
+// shape is compiled for: its launcher's shared memory is checked at compile time against that
+// architecture's opt-in limit per block, and on older architectures the kernel is a stub.
+//   sm80          64-row blocks of 4 warps (fwd at D = 64: 128 rows, two m-tiles per warp), sized
+//                 to 255 registers and the A100's 163 KB: runs on every sm_80 / sm_90 part, and is
+//                 the default below sm_90.
+//   sm90          128-row blocks of 8 warps, where the 227 KB of an H100/H200 holds them: every
+//                 streamed K/V (or Q/dO) tile feeds twice the rows, and an SM runs 8 warps instead
+//                 of 4 (at D = 128 the BoB blocks take 120-190 KB, so one block per SM either way).
+//                 The default on parts of compute capability 9.0 or later with 227 KB per block.
+//   sm80_half_bn  sm80 with half the rows streamed per stage (fewer registers per score tile, twice
+//                 the barriers); for the sweep only, bf16 at D = 128.
+//   sm90_half_bn  sm90 likewise.
+// The defaults follow from the analysis above (docs/flashbob.md), not from a measurement: no GPU
+// has run these kernels yet, and the sweep's numbers decide.
+enum TileSetId : int { kSm80 = 0, kSm90, kSm80HalfBN, kSm90HalfBN, kNumTileSets };
+constexpr const char* kTileSetNames[kNumTileSets] = {"sm80", "sm90", "sm80_half_bn",
+                                                     "sm90_half_bn"};
+constexpr int kTileSetArch[kNumTileSets] = {800, 900, 900, 900};
+
+template <int SET, int D>
+struct Shapes;  // defined for the (set, head dim) pairs that are instantiated
 template <>
-struct Shapes<64> {
-  using Fwd = TilesOf<FLASHBOB_TILES_FWD_D64>;
-  using BwdRow = TilesOf<FLASHBOB_TILES_BWD_ROW_D64>;
-  using BwdCol = TilesOf<FLASHBOB_TILES_BWD_COL_D64>;
-  using BobStats = TilesOf<FLASHBOB_TILES_BOB_STATS_D64>;
-  using BobRow = TilesOf<FLASHBOB_TILES_BOB_ROW_D64>;
-  using BobCol = TilesOf<FLASHBOB_TILES_BOB_COL_D64>;
+struct Shapes<kSm80, 64> {
+  using Fwd = Tiles<128, 64, 4>;
+  using BwdRow = Tiles<64, 64, 4>;
+  using BwdCol = Tiles<64, 64, 4>;
+  using BobStats = Tiles<64, 32, 4>;
+  using BobRow = Tiles<64, 32, 4>;
+  using BobCol = Tiles<64, 32, 4>;
 };
 template <>
-struct Shapes<128> {
-  using Fwd = TilesOf<FLASHBOB_TILES_FWD_D128>;
-  using BwdRow = TilesOf<FLASHBOB_TILES_BWD_ROW_D128>;
-  using BwdCol = TilesOf<FLASHBOB_TILES_BWD_COL_D128>;
-  using BobStats = TilesOf<FLASHBOB_TILES_BOB_STATS_D128>;
-  using BobRow = TilesOf<FLASHBOB_TILES_BOB_ROW_D128>;
-  using BobCol = TilesOf<FLASHBOB_TILES_BOB_COL_D128>;
+struct Shapes<kSm80, 128> {
+  using Fwd = Tiles<64, 64, 4>;
+  using BwdRow = Tiles<64, 64, 4>;
+  using BwdCol = Tiles<64, 32, 4>;
+  using BobStats = Tiles<64, 32, 4>;
+  using BobRow = Tiles<64, 32, 4>;
+  using BobCol = Tiles<64, 32, 4>;
+};
+template <>
+struct Shapes<kSm90, 64> {
+  using Fwd = Shapes<kSm80, 64>::Fwd;  // already 128 rows (4 warps of two m-tiles)
+  using BwdRow = Tiles<128, 64, 8, 900>;
+  using BwdCol = Tiles<128, 64, 8, 900>;
+  using BobStats = Tiles<128, 32, 8, 900>;
+  using BobRow = Tiles<128, 32, 8, 900>;
+  using BobCol = Tiles<128, 32, 8, 900>;
+};
+template <>
+struct Shapes<kSm90, 128> {
+  using Fwd = Tiles<128, 64, 8, 900>;
+  using BwdRow = Tiles<128, 64, 8, 900>;
+  using BwdCol = Tiles<128, 32, 8, 900>;
+  using BobStats = Tiles<128, 32, 8, 900>;
+  using BobRow = Tiles<128, 32, 8, 900>;
+  using BobCol = Tiles<128, 32, 8, 900>;
+};
+template <>
+struct Shapes<kSm80HalfBN, 128> {
+  using Fwd = Tiles<64, 32, 4, 900>;
+  using BwdRow = Tiles<64, 32, 4, 900>;
+  using BwdCol = Tiles<64, 16, 4, 900>;
+  using BobStats = Tiles<64, 16, 4, 900>;
+  using BobRow = Tiles<64, 16, 4, 900>;
+  using BobCol = Tiles<64, 16, 4, 900>;
+};
+template <>
+struct Shapes<kSm90HalfBN, 128> {
+  using Fwd = Tiles<128, 32, 8, 900>;
+  using BwdRow = Tiles<128, 32, 8, 900>;
+  using BwdCol = Tiles<128, 16, 8, 900>;
+  using BobStats = Tiles<128, 16, 8, 900>;
+  using BobRow = Tiles<128, 16, 8, 900>;
+  using BobCol = Tiles<128, 16, 8, 900>;
 };
 
-// Shared memory every kernel's shape must fit (checked at compile time): the A100's opt-in limit
-// per block, the smallest of the targets. A sweep for H100/H200 only may raise it to 227 KB with
-// -DFLASHBOB_SMEM_LIMIT_KB=227.
-#ifndef FLASHBOB_SMEM_LIMIT_KB
-#define FLASHBOB_SMEM_LIMIT_KB 163
-#endif
-constexpr size_t kSmemLimit = (size_t)FLASHBOB_SMEM_LIMIT_KB * 1024;
+// The (set, dtype, head dim) combinations that are instantiated: the defaults for both dtypes and
+// head dims, the sweep's sets for the benchmark's bf16 at D = 128 (each instantiation costs nvcc
+// time on every build).
+template <int SET, typename T, int D>
+constexpr bool has_shapes() {
+  return SET == kSm80 || SET == kSm90 || (D == 128 && std::is_same_v<T, __nv_bfloat16>);
+}
+
+// Opt-in shared memory per block of the architectures tile shapes are built for: A100 163 KB,
+// H100/H200 227 KB.
+constexpr size_t smem_limit(int arch) { return (size_t)(arch >= 900 ? 227 : 163) * 1024; }
+
+// Dynamic shared memory of each kernel at shape TL (what its launcher requests).
+enum class Pass { kFwd, kBwdRow, kBwdCol, kBobRow, kBobCol };
+template <Pass P, typename T, int D, class TL>
+constexpr size_t smem_bytes() {
+  if constexpr (P == Pass::kFwd) return Smem<D>::template tile_bytes<T>(TL::BM + 4 * TL::BN);
+  if constexpr (P == Pass::kBwdRow) return Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN);
+  if constexpr (P == Pass::kBwdCol)
+    return Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN) +
+           2 * RowScalars::floats(TL::BN, false) * sizeof(float);
+  if constexpr (P == Pass::kBobRow) return BobRowSmem<T, D, TL>::bytes();
+  if constexpr (P == Pass::kBobCol) return BobColSmem<T, D, TL>::bytes();
+}
 
 // The kernel each launcher enqueued last, for error messages: a launch error, or (under
 // CUDA_LAUNCH_BLOCKING=1, where every launch waits for its kernel) an execution fault, surfaces at
 // the cudaGetLastError right after that kernel, so the binding names it instead of the launcher.
 thread_local const char* g_last_kernel = "none";
+// The tile set the launchers use: -1 = the device's (device_tile_set), else an override.
+std::atomic<int> g_tile_set{-1};
 
-// Kernels may use more than 48 KB of dynamic shared memory: opt in per kernel before launching.
-template <typename K>
-cudaError_t allow_smem(K kernel, size_t smem) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+// Launch `kern` (shape TL, `smem` bytes of dynamic shared memory) after opting in to the shared
+// memory (above 48 KB it must be requested per kernel).
+template <class TL, typename K, typename... A>
+cudaError_t launch(const char* name, K kern, dim3 grid, size_t smem, cudaStream_t st, A... args) {
+  static_assert(TL::ARCH >= 800, "tile shapes target sm_80 or later");
+  constexpr int NT = TL::NT;
+  g_last_kernel = name;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)smem);
+  if (err != cudaSuccess) return err;
+  FB_LAUNCH(kern, grid, smem, st, args...);
+  return cudaGetLastError();
 }
 
 template <class TL>
@@ -1064,123 +1161,216 @@ dim3 col_grid(const Geo& g) {
   return dim3((unsigned)((g.Nk + TL::BM - 1) / TL::BM), (unsigned)(g.B * g.Hkv));
 }
 
-template <typename T, int D>
+#define FB_CHECK_SMEM(TL, bytes) \
+  static_assert((bytes) <= smem_limit(TL::ARCH), "tile shape exceeds its architecture's shared memory")
+
+template <typename T, int D, class S>
 cudaError_t fwd_t(const void* q, const void* k, const void* v, void* o, float* stats, const Geo& g,
                   cudaStream_t st) {
-  using TL = typename Shapes<D>::Fwd;
-  constexpr int NT = TL::NT;
-  constexpr size_t smem = Smem<D>::template tile_bytes<T>(TL::BM + 4 * TL::BN);
-  static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
-  auto kern = fwd_kernel<T, D, TL>;
-  g_last_kernel = "fwd_kernel";
-  cudaError_t err = allow_smem(kern, smem);
-  if (err != cudaSuccess) return err;
-  FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v, (T*)o, stats,
-            g);
-  return cudaGetLastError();
+  using TL = typename S::Fwd;
+  constexpr size_t smem = smem_bytes<Pass::kFwd, T, D, TL>();
+  FB_CHECK_SMEM(TL, smem);
+  return launch<TL>("fwd_kernel", fwd_kernel<T, D, TL>, row_grid<TL>(g), smem, st, (const T*)q,
+                    (const T*)k, (const T*)v, (T*)o, stats, g);
 }
 
-template <typename T, int D>
+template <typename T, int D, class S>
 cudaError_t bwd_t(const void* q, const void* k, const void* v, const void* o, const float* stats,
                   const void* dout, void* dq, void* dk, void* dv, float* delta, const Geo& g,
                   cudaStream_t st) {
-  cudaError_t err;
-  {
-    using TL = typename Shapes<D>::BwdRow;
-    constexpr int NT = TL::NT;
-    constexpr size_t smem = Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN);
-    static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
-    auto kern = bwd_row_kernel<T, D, TL>;
-    g_last_kernel = "bwd_row_kernel";
-    if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
-    FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v,
-              (const T*)o, stats, (const T*)dout, (T*)dq, delta, g);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-  {
-    using TL = typename Shapes<D>::BwdCol;
-    constexpr int NT = TL::NT;
-    constexpr size_t smem = Smem<D>::template tile_bytes<T>(2 * TL::BM + 4 * TL::BN) +
-                            2 * RowScalars::floats(TL::BN, false) * sizeof(float);
-    static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
-    auto kern = bwd_col_kernel<T, D, TL>;
-    g_last_kernel = "bwd_col_kernel";
-    if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
-    FB_LAUNCH(kern, col_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v, stats,
-              (const T*)dout, (const float*)delta, (T*)dk, (T*)dv, g);
-  }
-  return cudaGetLastError();
+  using TR = typename S::BwdRow;
+  using TC_ = typename S::BwdCol;
+  constexpr size_t smem_r = smem_bytes<Pass::kBwdRow, T, D, TR>(),
+                   smem_c = smem_bytes<Pass::kBwdCol, T, D, TC_>();
+  FB_CHECK_SMEM(TR, smem_r);
+  FB_CHECK_SMEM(TC_, smem_c);
+  cudaError_t err = launch<TR>("bwd_row_kernel", bwd_row_kernel<T, D, TR>, row_grid<TR>(g),
+                               smem_r, st, (const T*)q, (const T*)k, (const T*)v, (const T*)o,
+                               stats, (const T*)dout, (T*)dq, delta, g);
+  if (err != cudaSuccess) return err;
+  return launch<TC_>("bwd_col_kernel", bwd_col_kernel<T, D, TC_>, col_grid<TC_>(g), smem_c, st,
+                     (const T*)q, (const T*)k, (const T*)v, stats, (const T*)dout,
+                     (const float*)delta, (T*)dk, (T*)dv, g);
 }
 
-template <typename T, int D>
+template <typename T, int D, class S>
 cudaError_t bwd_bwd_t(const void* q, const void* k, const void* v, const void* o,
                       const float* stats, const void* dout, const void* uq, const void* uk,
                       const void* uv, void* qbar, void* kbar, void* vbar, void* dobar,
                       float* delta, float* alpha, float* e0, const Geo& g, cudaStream_t st) {
-  cudaError_t err;
-  {
-    using TL = typename Shapes<D>::BobStats;
-    constexpr int NT = TL::NT;
-    constexpr size_t smem = BobRowSmem<T, D, TL>::bytes();
-    static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
-    auto kern = bob_stats_kernel<T, D, TL>;
-    g_last_kernel = "bob_stats_kernel";
-    if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
-    FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v,
-              (const T*)o, stats, (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv,
-              (T*)dobar, delta, alpha, e0, g);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  using TS = typename S::BobStats;
+  using TR = typename S::BobRow;
+  using TC_ = typename S::BobCol;
+  constexpr size_t smem_s = smem_bytes<Pass::kBobRow, T, D, TS>(),
+                   smem_r = smem_bytes<Pass::kBobRow, T, D, TR>(),
+                   smem_c = smem_bytes<Pass::kBobCol, T, D, TC_>();
+  FB_CHECK_SMEM(TS, smem_s);
+  FB_CHECK_SMEM(TR, smem_r);
+  FB_CHECK_SMEM(TC_, smem_c);
+  cudaError_t err = launch<TS>("bob_stats_kernel", bob_stats_kernel<T, D, TS>, row_grid<TS>(g),
+                               smem_s, st, (const T*)q, (const T*)k, (const T*)v, (const T*)o,
+                               stats, (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv,
+                               (T*)dobar, delta, alpha, e0, g);
+  if (err != cudaSuccess) return err;
+  err = launch<TR>("bob_row_kernel", bob_row_kernel<T, D, TR>, row_grid<TR>(g), smem_r, st,
+                   (const T*)q, (const T*)k, (const T*)v, stats, (const T*)dout, (const T*)uq,
+                   (const T*)uk, (const T*)uv, (T*)qbar, (const float*)delta,
+                   (const float*)alpha, (const float*)e0, g);
+  if (err != cudaSuccess) return err;
+  return launch<TC_>("bob_col_kernel", bob_col_kernel<T, D, TC_>, col_grid<TC_>(g), smem_c, st,
+                     (const T*)q, (const T*)k, (const T*)v, stats, (const T*)dout, (const T*)uq,
+                     (const T*)uk, (const T*)uv, (const float*)delta, (const float*)alpha,
+                     (const float*)e0, (T*)kbar, (T*)vbar, g);
+}
+
+// Calls f.operator()<T, D, Shapes<SET, D>>() for the launch's set, dtype and head dim (a generic
+// lambda of the launcher), or returns cudaErrorInvalidValue where that combination is not built.
+template <int SET, typename T, int D, class F>
+cudaError_t call_shapes(F& f) {
+  if constexpr (has_shapes<SET, T, D>())
+    return f.template operator()<T, D, Shapes<SET, D>>();
+  else
+    return cudaErrorInvalidValue;
+}
+template <int SET, class F>
+cudaError_t dispatch_type(Dtype dt, int D, F& f) {
+  if (dt == Dtype::kBF16 && D == 64) return call_shapes<SET, __nv_bfloat16, 64>(f);
+  if (dt == Dtype::kBF16 && D == 128) return call_shapes<SET, __nv_bfloat16, 128>(f);
+  if (dt == Dtype::kFP16 && D == 64) return call_shapes<SET, __half, 64>(f);
+  if (dt == Dtype::kFP16 && D == 128) return call_shapes<SET, __half, 128>(f);
+  return cudaErrorInvalidValue;
+}
+template <class F>
+cudaError_t dispatch(Dtype dt, int D, F&& f) {
+  switch (active_tile_set()) {
+    case kSm80: return dispatch_type<kSm80>(dt, D, f);
+    case kSm90: return dispatch_type<kSm90>(dt, D, f);
+    case kSm80HalfBN: return dispatch_type<kSm80HalfBN>(dt, D, f);
+    case kSm90HalfBN: return dispatch_type<kSm90HalfBN>(dt, D, f);
+    default: return cudaErrorInvalidValue;
   }
-  {
-    using TL = typename Shapes<D>::BobRow;
-    constexpr int NT = TL::NT;
-    constexpr size_t smem = BobRowSmem<T, D, TL>::bytes();
-    static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
-    auto kern = bob_row_kernel<T, D, TL>;
-    g_last_kernel = "bob_row_kernel";
-    if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
-    FB_LAUNCH(kern, row_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v, stats,
-              (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv, (T*)qbar,
-              (const float*)delta, (const float*)alpha, (const float*)e0, g);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+}
+
+template <class TL>
+void describe_shape(std::string& out, const char* kernel, int D, size_t smem) {
+  out += std::string(out.empty() ? "" : ",") + "{\"kernel\":\"" + kernel + "\",\"D\":" +
+         std::to_string(D) + ",\"BM\":" + std::to_string(TL::BM) + ",\"BN\":" +
+         std::to_string(TL::BN) + ",\"warps\":" + std::to_string(TL::NW) + ",\"arch\":" +
+         std::to_string(TL::ARCH) + ",\"smem_bytes\":" + std::to_string(smem) + "}";
+}
+template <int SET, typename T, int D>
+void describe_dim(std::string& out) {
+  if constexpr (has_shapes<SET, T, D>()) {
+    using S = Shapes<SET, D>;
+    describe_shape<typename S::Fwd>(out, "fwd_kernel", D,
+                                    smem_bytes<Pass::kFwd, T, D, typename S::Fwd>());
+    describe_shape<typename S::BwdRow>(out, "bwd_row_kernel", D,
+                                       smem_bytes<Pass::kBwdRow, T, D, typename S::BwdRow>());
+    describe_shape<typename S::BwdCol>(out, "bwd_col_kernel", D,
+                                       smem_bytes<Pass::kBwdCol, T, D, typename S::BwdCol>());
+    describe_shape<typename S::BobStats>(out, "bob_stats_kernel", D,
+                                         smem_bytes<Pass::kBobRow, T, D, typename S::BobStats>());
+    describe_shape<typename S::BobRow>(out, "bob_row_kernel", D,
+                                       smem_bytes<Pass::kBobRow, T, D, typename S::BobRow>());
+    describe_shape<typename S::BobCol>(out, "bob_col_kernel", D,
+                                       smem_bytes<Pass::kBobCol, T, D, typename S::BobCol>());
   }
-  {
-    using TL = typename Shapes<D>::BobCol;
-    constexpr int NT = TL::NT;
-    constexpr size_t smem = BobColSmem<T, D, TL>::bytes();
-    static_assert(smem <= kSmemLimit, "tile shape exceeds FLASHBOB_SMEM_LIMIT_KB");
-    auto kern = bob_col_kernel<T, D, TL>;
-    g_last_kernel = "bob_col_kernel";
-    if ((err = allow_smem(kern, smem)) != cudaSuccess) return err;
-    FB_LAUNCH(kern, col_grid<TL>(g), smem, st, (const T*)q, (const T*)k, (const T*)v, stats,
-              (const T*)dout, (const T*)uq, (const T*)uk, (const T*)uv, (const float*)delta,
-              (const float*)alpha, (const float*)e0, (T*)kbar, (T*)vbar, g);
+}
+template <int SET>
+std::string describe_set() {
+  std::string shapes;
+  describe_dim<SET, __nv_bfloat16, 64>(shapes);
+  describe_dim<SET, __nv_bfloat16, 128>(shapes);
+  const bool all = has_shapes<SET, __half, 64>() && has_shapes<SET, __half, 128>();
+  return std::string("{\"id\":") + std::to_string(SET) + ",\"name\":\"" + kTileSetNames[SET] +
+         "\",\"arch\":" + std::to_string(kTileSetArch[SET]) + ",\"dtypes\":" +
+         (all ? "[\"bf16\",\"fp16\"]" : "[\"bf16\"]") + ",\"shapes\":[" + shapes + "]}";
+}
+
+// The current device's compute capability (major·100 + minor·10) and opt-in shared memory per
+// block; {0, 0} when it cannot be read (the error is cleared so no launch reports it).
+struct DeviceInfo {
+  int arch;
+  size_t smem;
+};
+DeviceInfo device_info() {
+  int dev = 0, major = 0, minor = 0, smem = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    return DeviceInfo{0, 0};
   }
-  return cudaGetLastError();
+  return DeviceInfo{major * 100 + minor * 10, (size_t)smem};
 }
 
 }  // namespace
 
-#define FB_DISPATCH(dt, D, FN, ...)                                                     \
-  do {                                                                                  \
-    if ((dt) == Dtype::kBF16 && (D) == 64) return FN<__nv_bfloat16, 64>(__VA_ARGS__);   \
-    if ((dt) == Dtype::kBF16 && (D) == 128) return FN<__nv_bfloat16, 128>(__VA_ARGS__); \
-    if ((dt) == Dtype::kFP16 && (D) == 64) return FN<__half, 64>(__VA_ARGS__);          \
-    if ((dt) == Dtype::kFP16 && (D) == 128) return FN<__half, 128>(__VA_ARGS__);        \
-    return cudaErrorInvalidValue;                                                       \
-  } while (0)
+int num_tile_sets() { return kNumTileSets; }
+
+const char* tile_set_json(int set) {
+  static const std::string desc[kNumTileSets] = {describe_set<kSm80>(), describe_set<kSm90>(),
+                                                 describe_set<kSm80HalfBN>(),
+                                                 describe_set<kSm90HalfBN>()};
+  return set >= 0 && set < kNumTileSets ? desc[set].c_str() : nullptr;
+}
+
+int device_tile_set() {
+  const DeviceInfo d = device_info();
+  return d.arch >= 900 && d.smem >= smem_limit(900) ? kSm90 : kSm80;
+}
+
+int active_tile_set() {
+  const int s = g_tile_set.load();
+  return s >= 0 ? s : device_tile_set();
+}
+
+cudaError_t set_tile_set(int set) {
+  if (set < -1 || set >= kNumTileSets) return cudaErrorInvalidValue;
+  g_tile_set.store(set);
+  return cudaSuccess;
+}
+
+int tile_set() { return g_tile_set.load(); }
+
+const char* tile_set_unavailable(Dtype dt, int D) {
+  thread_local std::string why;
+  const int set = active_tile_set();
+  const bool bf16 = dt == Dtype::kBF16;
+  const bool built = set == kSm80 || set == kSm90 || (D == 128 && bf16);
+  if (!built) {
+    why = std::string("tile set ") + kTileSetNames[set] +
+          " is built for bfloat16 at head dim 128 only (a sweep set); set_tile_set(-1) restores "
+          "the device's default";
+    return why.c_str();
+  }
+  const DeviceInfo d = device_info();
+  if (d.arch != 0 && d.arch < kTileSetArch[set]) {
+    why = std::string("tile set ") + kTileSetNames[set] + " is compiled for sm_" +
+          std::to_string(kTileSetArch[set] / 10) + " and later; this GPU is sm_" +
+          std::to_string(d.arch / 10);
+    return why.c_str();
+  }
+  return nullptr;
+}
 
 const char* last_launched_kernel() { return g_last_kernel; }
 
 cudaError_t launch_fwd(Dtype dt, int D, const void* q, const void* k, const void* v, void* o,
                        float* stats, const Geo& g, cudaStream_t stream) {
-  FB_DISPATCH(dt, D, fwd_t, q, k, v, o, stats, g, stream);
+  return dispatch(dt, D, [&]<typename T, int D_, class S>() {
+    return fwd_t<T, D_, S>(q, k, v, o, stats, g, stream);
+  });
 }
 
 cudaError_t launch_bwd(Dtype dt, int D, const void* q, const void* k, const void* v,
                        const void* o, const float* stats, const void* dout, void* dq, void* dk,
                        void* dv, float* delta, const Geo& g, cudaStream_t stream) {
-  FB_DISPATCH(dt, D, bwd_t, q, k, v, o, stats, dout, dq, dk, dv, delta, g, stream);
+  return dispatch(dt, D, [&]<typename T, int D_, class S>() {
+    return bwd_t<T, D_, S>(q, k, v, o, stats, dout, dq, dk, dv, delta, g, stream);
+  });
 }
 
 cudaError_t launch_bwd_bwd(Dtype dt, int D, const void* q, const void* k, const void* v,
@@ -1188,8 +1378,10 @@ cudaError_t launch_bwd_bwd(Dtype dt, int D, const void* q, const void* k, const 
                            const void* uk, const void* uv, void* qbar, void* kbar, void* vbar,
                            void* dobar, float* delta, float* alpha, float* e0, const Geo& g,
                            cudaStream_t stream) {
-  FB_DISPATCH(dt, D, bwd_bwd_t, q, k, v, o, stats, dout, uq, uk, uv, qbar, kbar, vbar, dobar,
-              delta, alpha, e0, g, stream);
+  return dispatch(dt, D, [&]<typename T, int D_, class S>() {
+    return bwd_bwd_t<T, D_, S>(q, k, v, o, stats, dout, uq, uk, uv, qbar, kbar, vbar, dobar, delta,
+                               alpha, e0, g, stream);
+  });
 }
 
 }  // namespace flashbob

@@ -25,15 +25,33 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Tile shape of one kernel: BM rows owned by the block (queries in row passes, keys in column
-// passes), BN rows of the streamed operand per pipeline stage, NW warps. Warp w owns rows
-// [16·MT·w, 16·MT·(w+1)).
-template <int BM_, int BN_, int NW_>
+// passes), BN rows of the streamed operand per pipeline stage, NW warps; ARCH the lowest
+// __CUDA_ARCH__ its device code is compiled for (tile sets in flashbob_cuda_kernel.cu). Warp w
+// owns rows [16·MT·w, 16·MT·(w+1)).
+template <int BM_, int BN_, int NW_, int ARCH_ = 800>
 struct Tiles {
   static constexpr int BM = BM_, BN = BN_, NW = NW_, NT = 32 * NW_, MT = BM_ / (16 * NW_);
-  static constexpr int NB = BN_ / 8;
+  static constexpr int NB = BN_ / 8, ARCH = ARCH_;
   static_assert(BM_ % (16 * NW_) == 0, "BM must be a multiple of 16 x warps");
   static_assert(BN_ % 16 == 0, "BN must be a multiple of 16");
 };
+
+// Whether this compilation pass builds the device code of shape TL: every host pass (and the CPU
+// emulator), and device passes for __CUDA_ARCH__ >= TL::ARCH. Below that a kernel is the stub
+// not_compiled_here(), which the launchers never start (they pick shapes by device).
+template <class TL>
+__host__ __device__ constexpr bool compiled_here() {
+#ifdef __CUDA_ARCH__
+  return __CUDA_ARCH__ >= TL::ARCH;
+#else
+  return true;
+#endif
+}
+__device__ __forceinline__ void not_compiled_here() {
+#ifdef __CUDA_ARCH__
+  __trap();
+#endif
+}
 
 template <int D>
 struct Smem {

@@ -64,13 +64,31 @@ using cudaStream_t = void*;
 constexpr int cudaSuccess = 0;
 constexpr int cudaErrorInvalidValue = 1;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+enum cudaDeviceAttr {
+  cudaDevAttrComputeCapabilityMajor,
+  cudaDevAttrComputeCapabilityMinor,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin
+};
 struct dim3 {
   unsigned x, y, z;
   dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
 namespace fb_emu {
-constexpr size_t kSmemLimit = 227 * 1024;  // H100/H200 opt-in maximum per block
+// The emulated device: compute capability and opt-in shared memory per block, which the launchers
+// read to pick their tile set and which bounds a launch's dynamic shared memory. An A100 unless a
+// test says otherwise (set_device: the emulator's module exports it as set_emulated_device).
+struct Device {
+  int major = 8, minor = 0;
+  size_t smem_optin = 163 * 1024;
+};
+inline Device& device() {
+  static Device d;
+  return d;
+}
+inline void set_device(int major, int minor, size_t smem_optin) {
+  device() = Device{major, minor, smem_optin};
+}
 constexpr size_t kGuard = 4096;
 constexpr int kWarp = 32;
 
@@ -296,7 +314,18 @@ inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
 
 template <typename K>
 inline cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int bytes) {
-  return (size_t)bytes <= fb_emu::kSmemLimit ? cudaSuccess : cudaErrorInvalidValue;
+  return (size_t)bytes <= fb_emu::device().smem_optin ? cudaSuccess : cudaErrorInvalidValue;
+}
+inline cudaError_t cudaGetDevice(int* dev) {
+  *dev = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  const fb_emu::Device& d = fb_emu::device();
+  *value = attr == cudaDevAttrComputeCapabilityMajor   ? d.major
+           : attr == cudaDevAttrComputeCapabilityMinor ? d.minor
+                                                       : (int)d.smem_optin;
+  return cudaSuccess;
 }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 inline const char* cudaGetErrorString(cudaError_t e) {
@@ -305,7 +334,8 @@ inline const char* cudaGetErrorString(cudaError_t e) {
 
 namespace fb_emu {
 inline void run_grid(dim3 grid, int nthreads, size_t smem, const std::function<void()>& body) {
-  if (smem > kSmemLimit) throw std::runtime_error("emulated launch: shared memory over limit");
+  if (smem > device().smem_optin)
+    throw std::runtime_error("emulated launch: shared memory over the emulated device's limit");
   if (nthreads <= 0 || nthreads > 1024)
     throw std::runtime_error("emulated launch: block size must be 1..1024 threads");
   g_grid = grid;

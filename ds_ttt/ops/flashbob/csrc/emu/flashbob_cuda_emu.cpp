@@ -31,10 +31,17 @@ flashbob::Dtype dtype_of(const at::Tensor& t) {
 
 void ok(cudaError_t e, const char* what) { TORCH_CHECK(e == cudaSuccess, what, " failed: ", e); }
 
+// As the CUDA binding: the active tile set must be built for this dtype / head dim and device.
+void check_tile_set(const at::Tensor& q) {
+  const char* why = flashbob::tile_set_unavailable(dtype_of(q), (int)q.size(3));
+  TORCH_CHECK(why == nullptr, "flashbob cuda: ", why ? why : "");
+}
+
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             bool causal, int64_t window, int64_t q_off, int64_t k_off,
                             double scale) {
   const auto g = make_geo(q, k, v, causal, window, q_off, k_off, scale);
+  check_tile_set(q);
   auto o = at::empty_like(q);
   auto stats = at::empty({g.B, g.Hq, g.Nq, 2}, q.options().dtype(at::kFloat));
   ok(flashbob::launch_fwd(dtype_of(q), (int)q.size(3), q.data_ptr(), k.data_ptr(), v.data_ptr(),
@@ -47,6 +54,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& q, const at::Tensor& k, const at::
                             bool causal, int64_t window, int64_t q_off, int64_t k_off,
                             double scale) {
   const auto g = make_geo(q, k, v, causal, window, q_off, k_off, scale);
+  check_tile_set(q);
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   auto delta = at::empty({g.B, g.Hq, g.Nq}, q.options().dtype(at::kFloat));
   ok(flashbob::launch_bwd(dtype_of(q), (int)q.size(3), q.data_ptr(), k.data_ptr(), v.data_ptr(),
@@ -64,6 +72,7 @@ std::vector<at::Tensor> bwd_bwd(const at::Tensor& q, const at::Tensor& k, const 
                                 const std::optional<at::Tensor>& uv, bool causal, int64_t window,
                                 int64_t q_off, int64_t k_off, double scale) {
   const auto g = make_geo(q, k, v, causal, window, q_off, k_off, scale);
+  check_tile_set(q);
   (void)dq;
   auto qbar = at::empty_like(q), dobar = at::empty_like(q);
   auto kbar = at::empty_like(k), vbar = at::empty_like(v);
@@ -90,4 +99,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bwd_bwd", &bwd_bwd);
   m.def("last_launched_kernel", [] { return std::string(flashbob::last_launched_kernel()); },
         "the kernel the launchers enqueued last on this thread (error messages name it)");
+  m.def("num_tile_sets", &flashbob::num_tile_sets);
+  m.def("tile_set_json", [](int set) {
+    const char* j = flashbob::tile_set_json(set);
+    TORCH_CHECK(j != nullptr, "flashbob cuda: no tile set ", set);
+    return std::string(j);
+  });
+  m.def("set_tile_set", [](int set) {
+    TORCH_CHECK(flashbob::set_tile_set(set) == cudaSuccess, "flashbob cuda: no tile set ", set,
+                " (0..", flashbob::num_tile_sets() - 1, ", or -1 for the device's)");
+  });
+  m.def("tile_set", &flashbob::tile_set);
+  m.def("device_tile_set", &flashbob::device_tile_set);
+  m.def("active_tile_set", &flashbob::active_tile_set);
+  m.def("set_emulated_device",
+        [](int major, int minor, int64_t smem_optin) {
+          fb_emu::set_device(major, minor, (size_t)smem_optin);
+        },
+        "the emulated GPU: compute capability and opt-in shared memory per block (bytes); an "
+        "A100 (8, 0, 163 KB) until set");
 }

@@ -7,17 +7,19 @@ position, its cache slot, its own KV cache, its own fast weights W_b and key-shi
 forward serves them all, on the model's own modules (no copy of the model):
   * embedding, q/k/v/o projections, the frozen MLPs, the norms and lm_head run once over [B, 1, C]
     (the backbone is shared, so its products are batched);
-  * the prime MLP of an adaptive layer gets W stacked per row, [B, F, D] (PrimeMLP's per-row fast
-    weights, ds_ttt/model/fast_weights.py): for a bf16 model x W_0ᵀ is one batched product and the
-    fp32 delta x (W_b − W_0)ᵀ is applied per row (the Punica / S-LoRA layout); for an fp32 model the
-    product is per row (a batched matmul over the stack);
+  * the prime MLP of an adaptive layer: a matrix that every row holds in the same storage (W_0 before
+    a session's first update, which AgentModel.initial_weights shares; gate/up for good under
+    `fast_matrices="down"`) is one batched product, as for the backbone; a matrix the rows hold apart
+    is stacked per row, [B, F, D] (PrimeMLP's per-row fast weights, ds_ttt/model/fast_weights.py):
+    for a bf16 model x W_0ᵀ is one batched product and the fp32 delta x (W_b − W_0)ᵀ is applied per
+    row (the Punica / S-LoRA layout); for an fp32 model the product is per row (a batched matmul);
   * attention is per row: row b writes its key/value at its slot in its own cache and attends to its
     own visible slice (lengths differ; each slice is read in place, nothing is padded or copied);
   * the key shift (ttt.key_shift) reads each row's history from its cache and writes it back, as the
     unbatched `_forward` does, so it carries across decode steps exactly.
 Nothing here touches the inner update: observations (with their gradient step) stay per session,
-run by the scheduler between decode steps. The stacked weights are kept while the batch keeps the
-same rows (W does not change during a reply), so a steady batch stacks them once.
+run by the scheduler between decode steps. A stack is kept while the rows keep the same matrix
+(W does not change during a reply), so a steady batch stacks each matrix once.
 
 Shape letters: B rows (sessions), H heads, S key-shift width, C hidden, F prime width, V vocab.
 """
@@ -31,18 +33,33 @@ from ds_ttt.model.event_loop import uses_key_shift
 from ds_ttt.model.fast_weights import KeyHistory
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """Tensors with equal keys are views of the same memory with the same layout: the same matrix
+    (fast weights are never written in place; an inner step makes new tensors)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 class WeightStacks:
-    """The per-row fast weights of the last batch, stacked ([B, F, D] per matrix of each adaptive
-    layer); restacked only when the batch's rows change (one per scheduler: not thread-safe)."""
+    """The fast weights of a batch, one entry per matrix of each adaptive layer: the shared [F, D]
+    matrix itself when every row holds the same one, else the rows' matrices stacked, [B, F, D]. A
+    stack is rebuilt only when its rows' matrices change (one per scheduler: not thread-safe)."""
 
     def __init__(self):
-        self.refs: list = []  # each row's weight tuple (kept alive, compared by identity)
+        self.keys: list = []  # per matrix: the rows' storage keys of the cached entry
+        self.refs: list = []  # per matrix: the rows' tensors (kept alive, so their keys stay unique)
         self.weights: list = []
 
     def of(self, decodes: list) -> list:
-        if len(self.refs) != len(decodes) or any(a is not d.w for a, d in zip(self.refs, decodes)):
-            self.weights = [torch.stack([d.w[j] for d in decodes]) for j in range(len(decodes[0].w))]
-            self.refs = [d.w for d in decodes]
+        num = len(decodes[0].w)
+        if len(self.weights) != num:
+            self.keys, self.refs, self.weights = [None] * num, [None] * num, [None] * num
+        for j in range(num):
+            rows = [d.w[j] for d in decodes]
+            keys = [storage_key(w) for w in rows]
+            if keys != self.keys[j]:
+                shared = all(k == keys[0] for k in keys)
+                self.weights[j] = rows[0] if shared else torch.stack(rows)
+                self.keys[j], self.refs[j] = keys, rows
         return self.weights
 
 

@@ -35,8 +35,12 @@ Isolation and bounds:
     `retry_after` seconds;
   * `memory_budget` bytes bound the KV caches + fast weights of every stored conversation *and* of
     every one being built (each request reserves an upper bound of what it will hold before it
-    starts); to make room the least recently used idle conversation is evicted, and when nothing idle
-    is left, a 429;
+    starts), plus what all sessions share: W_0's fp32 copies (a session counts only the matrices its
+    updates made its own) and the system-prompt cache (its entries are kept only while they fit); to
+    make room the least recently used idle conversation is evicted, and when nothing idle is left, a 429;
+  * new conversations take round 0's system block (system prompt + tool schemas) from a cache of the
+    last `prefix_cache_entries` blocks seen with the same API key (ds_ttt/serve/prefix_cache.py; exact:
+    a hit equals a miss bit for bit), reported as `cached_tokens`;
   * beyond `max_sessions` the least recently used idle conversation is evicted (all busy: 429);
   * conversations idle longer than `idle_timeout` seconds are dropped (`expire`, also a reaper thread);
   * a request without `seed` samples from a fresh random seed (a new conversation, a copy, each of n
@@ -53,6 +57,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ds_ttt.serve.openai_api import APIError, ChatRequest, bad
+from ds_ttt.serve.prefix_cache import PrefixCache
 from ds_ttt.serve.scheduler import Cancelled, DirectEngine
 from ds_ttt.serve.session import AgentModel, AgentSession, ContextFullError, DecodeOptions, SessionError
 
@@ -123,16 +128,19 @@ def matched_prefix(session: AgentSession, messages: list[dict], tools) -> int:
 
 
 def session_bytes(session: AgentSession) -> int:
-    """What a stored session holds: its KV cache buffers (at their capacity) and its fast weights."""
+    """What a stored session holds: its KV cache buffers (at their capacity) and the fast weights it owns
+    (a matrix still in W_0's shared storage, AgentModel.initial_weights, is counted once, by the store)."""
     s = session._state()
-    return sum(t.nbytes for t in s.cache.k) + sum(t.nbytes for t in s.cache.v) + sum(w.nbytes for w in s.weights)
+    shared = {w.data_ptr() for w in session.agent.initial_weights()}
+    own = sum(w.nbytes for w in s.weights if w.data_ptr() not in shared)
+    return sum(t.nbytes for t in s.cache.k) + sum(t.nbytes for t in s.cache.v) + own
 
 
 class ConversationStore:
     def __init__(self, agent: AgentModel, *, max_sessions: int = 64, busy_timeout: float = 60.0,
                  max_new_tokens: int = 1024, max_context: int | None = None, memory_budget: int | None = None,
                  idle_timeout: float | None = None, max_active: int = 16, max_queue: int = 64,
-                 retry_after: float = 1.0, engine=None):
+                 retry_after: float = 1.0, engine=None, prefix_cache_entries: int = 4):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         if max_active < 1 or max_queue < 0:
@@ -155,11 +163,15 @@ class ConversationStore:
         # K and V of every layer, per cache slot
         self.slot_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * p.element_size()
         self.weight_bytes = sum(w.numel() * max(w.element_size(), 4) for w in agent.model.initial_fast_weights())
-        one = self.weight_bytes + self.slot_bytes * self.max_context
+        one = 2 * self.weight_bytes + self.slot_bytes * self.max_context  # + W_0's shared copies
         if memory_budget is not None and memory_budget < one:
             raise ValueError(f"memory_budget (--memory-budget) of {memory_budget} bytes cannot hold one session at the "
                              f"full context ({self.max_context} tokens: {one} bytes); raise it or lower --max-model-len")
         self.memory_budget = memory_budget
+        # held once, whatever the number of sessions: W_0's shared copies and the system-prompt cache
+        self.shared_bytes = sum(w.nbytes for w in agent.initial_weights())
+        self.prefix_cache = PrefixCache(max_entries=prefix_cache_entries)
+        self.prefix_cache.admit = self._admit_prefix
         self._convs: OrderedDict[str, Conversation] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
@@ -175,9 +187,20 @@ class ConversationStore:
 
     def memory(self) -> dict:
         with self._lock:
-            held = sum(c.nbytes for c in self._convs.values())
-            return {"held_bytes": held, "reserved_bytes": self._reserved, "budget_bytes": self.memory_budget,
+            return {"held_bytes": self._held(), "reserved_bytes": self._reserved, "budget_bytes": self.memory_budget,
+                    "prefix_cache_bytes": self.prefix_cache.nbytes, "prefix_cache_entries": len(self.prefix_cache),
                     "active": self._active, "waiting": self._waiting}
+
+    def _held(self) -> int:
+        """Bytes held now (call with self._lock): stored sessions, W_0's shared copies, the prompt cache."""
+        return sum(c.nbytes for c in self._convs.values()) + self.shared_bytes + self.prefix_cache.nbytes
+
+    def _admit_prefix(self, nbytes: int) -> bool:
+        """May the system-prompt cache keep an entry of `nbytes`? Only within the budget, evicting nothing."""
+        if self.memory_budget is None:
+            return True
+        with self._lock:
+            return self._held() + self._reserved + nbytes <= self.memory_budget
 
     def get(self, conversation_id: str, owner: str | None = None) -> Conversation:
         with self._lock:
@@ -298,7 +321,7 @@ class ConversationStore:
                 self._reserved += need
             return
         with self._lock:
-            while sum(c.nbytes for c in self._convs.values()) + self._reserved + need > self.memory_budget:
+            while self._held() + self._reserved + need > self.memory_budget:
                 victim = next((c for c in self._convs.values() if c.id not in keep and c.lock.acquire(blocking=False)),
                               None)
                 if victim is None:
@@ -372,7 +395,8 @@ class ConversationStore:
         try:
             self._check_room()
             work = self._new_session(req)
-            result = self._advance(work, req.messages, req, fresh=True, on_token=on_token, cancel=cancel, reseed=False)
+            result = self._advance(work, req.messages, req, fresh=True, on_token=on_token, cancel=cancel, reseed=False,
+                                   owner=owner)
             new = self._insert(work, req.ttt, owner)
             extra = self._insert_choices(result, req, owner)
         finally:
@@ -382,7 +406,7 @@ class ConversationStore:
     def _new_session(self, req: ChatRequest) -> AgentSession:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         return AgentSession(self.agent, max_new_tokens=self.max_new_tokens, max_context=self.max_context,
-                            update=req.ttt, seed=seed)
+                            update=req.ttt, seed=seed, prefix_cache=self.prefix_cache)
 
     def decode_options(self, req: ChatRequest) -> DecodeOptions:
         tok = self.agent.tokenizer
@@ -401,16 +425,18 @@ class ConversationStore:
                              top_logprobs=req.top_logprobs)
 
     def _advance(self, work: AgentSession, rest: list[dict], req: ChatRequest, *, fresh: bool = False,
-                 on_token=None, cancel=None, reseed: bool) -> dict:
+                 on_token=None, cancel=None, reseed: bool, owner: str | None = None) -> dict:
         """Feed `rest` (after the matched prefix; with `fresh`, the whole conversation, its round-0
-        messages starting the episode), then generate the next assistant turn (n choices)."""
+        messages starting the episode, its system block from `owner`'s prompt cache), then generate
+        the next assistant turn (n choices)."""
         observed = 0
         eng = self.engine
         cached = 0 if fresh else len(work.input_ids)
         try:
             if fresh:
                 prompt = next(i for i, m in enumerate(rest + [{"role": "assistant"}]) if m["role"] == "assistant")
-                eng.run(lambda: work.reset_messages(rest[:prompt], tools=req.tools), cancel)
+                reset = eng.run(lambda: work.reset_messages(rest[:prompt], tools=req.tools, cache_salt=owner), cancel)
+                cached = reset["cached_tokens"]
                 rest = rest[prompt:]
             i = 0
             while i < len(rest):

@@ -21,10 +21,13 @@ Exactly the training computation (ds_ttt/model/event_loop.py), incrementally:
     W_r = W_{r-1} - lr * clip(grad L_obs). The backbone is frozen; W lives in this session only
     (`update=False`: a frozen session, W_0 throughout).
 Generation is greedy (temperature 0) or sampled (temperature, top-p, seeded) until `<|im_end|>`,
-one token per step into the preallocated cache (no re-concatenation per token). Attention that needs
-no mask (a one-token step sees its whole cache slice; the prompt's prefill on an empty cache is plain
-causal) uses PyTorch's fused SDPA; every other chunk (after cached keys, windows, the inner step) runs
-the configured FlashBoB backend.
+one token per step into the preallocated cache (no re-concatenation per token). Attention outside
+the inner step uses PyTorch's fused SDPA (no mask for a one-token step, which sees its whole cache
+slice, or for a prefill on an empty cache, which is plain causal; FlashBoB's visibility mask for any
+other chunk); the inner step (observe) runs the configured FlashBoB backend.
+Round 0 is prefilled in two chunks, its system block (system prompt + tool schemas) and the rest, so
+that a shared system-prompt cache (`prefix_cache=`, ds_ttt/serve/prefix_cache.py) can supply the first
+exactly. Every session starts from one shared fp32 copy of W_0 (`AgentModel.initial_weights`).
 `act(force=message)` feeds a given action instead (replay / teacher forcing) and records its NLL.
 `fork()` copies a session (W, cache, history) so a caller can try a sequence of operations and keep
 the copy only if all of them succeed.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pathlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -48,8 +52,9 @@ from ds_ttt.data.render import (
     render_trajectory)
 from ds_ttt.data.token_kind import TokenKind
 from ds_ttt.model.event_loop import observation_labels, uses_key_shift
-from ds_ttt.model.fast_weights import KeyHistory, inner_loop_weights, inner_update
+from ds_ttt.model.fast_weights import KeyHistory, fast_weight_dtype, inner_update
 from ds_ttt.ops.flashbob import attention
+from ds_ttt.ops.flashbob.reference import visibility_mask
 from ds_ttt.serve.kv_cache import KVCache
 
 
@@ -93,6 +98,26 @@ class AgentModel:
         self.stop_ids = {self.im_end_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")}
         self.prompt_ids = render_generation_prompt(tokenizer)
         self.action_end_ids = render_action_end(tokenizer)
+        self._w0: tuple | None = None
+        self._w0_version: tuple | None = None
+        self._w0_lock = threading.Lock()
+
+    def initial_weights(self) -> tuple:
+        """W_0 as every session starts from it: fp32 (at least) copies of the prime weights, made once and
+        shared by all sessions (weights are never written in place: an inner step returns new tensors,
+        so sessions diverge only in the matrices they update; `fast_matrices="down"` keeps gate/up
+        shared for good). Shared storage is what lets the batched decode (batch.py) run one product
+        for the rows that hold the same matrix. Rebuilt if a parameter is changed in place."""
+        params = self.model.initial_fast_weights()
+        version = tuple((w.data_ptr(), w._version) for w in params)
+        with self._w0_lock:  # request threads of the unbatched server reset sessions concurrently
+            if self._w0 is None or version != self._w0_version:
+                if torch.is_inference_mode_enabled():
+                    raise RuntimeError("AgentModel.initial_weights: call outside torch.inference_mode (the copies "
+                                       "must be usable by the inner step's autograd)")
+                self._w0 = tuple(w.detach().to(fast_weight_dtype(w.dtype), copy=True) for w in params)
+                self._w0_version = version
+            return self._w0
 
     @classmethod
     def load(cls, path: str | pathlib.Path, *, device: str = "cpu", attention_backend: str | None = "reference") -> "AgentModel":
@@ -151,7 +176,8 @@ class _State:
 class AgentSession:
     def __init__(self, model: "str | pathlib.Path | AgentModel", *, device: str = "cpu", max_new_tokens: int = 1024,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, track_after: bool = False,
-                 max_context: int | None = None, update: bool = True, attention_backend: str = "reference"):
+                 max_context: int | None = None, update: bool = True, attention_backend: str = "reference",
+                 prefix_cache=None):
         self.agent = (model if isinstance(model, AgentModel)
                       else AgentModel.load(model, device=device, attention_backend=attention_backend))
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
@@ -159,6 +185,7 @@ class AgentSession:
         self.update = update
         self.max_context = max_context or self.agent.model.config.max_position_embeddings
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.prefix_cache = prefix_cache  # a PrefixCache (ds_ttt/serve/prefix_cache.py) shared with other sessions
         self._s: _State | None = None
 
     def fork(self) -> "AgentSession":
@@ -261,13 +288,17 @@ class AgentSession:
         window = m.policy.window if m.policy.kind == "window" else 0
         backend = m.ttt.attention_backend
         new_kv = [] if keep_graph else None
-        # Without a graph, attention that needs no mask goes to PyTorch's fused SDPA: one new token (a
-        # decode step) sees every slot of its slice; a chunk on an empty slice (the prompt's prefill)
-        # is plain causal attention (SDPA's is_causal, O(N) memory in its flash kernels). Everything
-        # else (chunks after cached keys, windows, the inner step) runs the FlashBoB backend.
-        fused = None
+        # Without a graph, attention runs on PyTorch's fused SDPA: one new token (a decode step) sees
+        # every slot of its slice; a chunk on an empty slice (the prompt's prefill) is plain causal
+        # attention (SDPA's is_causal, O(N) memory in its flash kernels); any other chunk (after cached
+        # keys: the rest of round 0, a generation prompt, a turn's end; or in a window) gets FlashBoB's
+        # visibility mask as an explicit one. The inner step (keep_graph) runs the FlashBoB backend.
+        fused, mask = None, None
         if not keep_graph:
-            fused = "one" if n == 1 else "causal" if slot == lo and window == 0 else None
+            fused = "one" if n == 1 else "causal" if slot == lo and window == 0 else "mask"
+            if fused == "mask":
+                mask = visibility_mask(n, slot + n - lo, causal=True, window=window, q_offset=slot - lo, k_offset=0,
+                                       device=dev)
         it = iter(weights or ())
         new_round = slot == 0 or (m.policy.kind == "current_round" and self._s is not None
                                   and slot == self._s.prompt_slots)
@@ -284,7 +315,8 @@ class AgentSession:
                     cache.write(i, slot, k, v)
                     k_all, v_all = cache.view(i, lo, slot + n)
                 if fused is not None:
-                    return F.scaled_dot_product_attention(q, k_all, v_all, is_causal=fused == "causal", enable_gqa=True)
+                    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=fused == "causal",
+                                                          enable_gqa=True)
                 return attention(q, k_all, v_all, causal=True, window=window, q_offset=slot - lo, k_offset=0,
                                  backend=backend)
             w = (next(it), next(it), next(it)) if layer.is_adaptive and weights else None
@@ -333,23 +365,47 @@ class AgentSession:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": task}]
         return self.reset_messages(messages, tools=tools)
 
-    def reset_messages(self, messages: list[dict], *, tools: list | None = None) -> dict:
-        """Start an episode from its round-0 messages (system and user turns, no assistant yet)."""
+    def reset_messages(self, messages: list[dict], *, tools: list | None = None, cache_salt: str | None = None) -> dict:
+        """Start an episode from its round-0 messages (system and user turns, no assistant yet).
+        cache_salt: the system-prompt cache's scope (prefix_cache.py; the server passes the API key's id)."""
         if not messages or any(m.get("role") not in ("system", "user") for m in messages):
             raise SessionError("an episode starts with system/user messages only (the task), before any assistant turn")
         r = render_trajectory({"id": "session", "messages": messages, "tools": tools or None}, self.tokenizer)
         n = len(r.input_ids)
+        if n > self.max_context:
+            raise ContextFullError(n, self.max_context)
         cache = KVCache.for_model(self.model, capacity=n + 2 * min(self.max_new_tokens, 1024) + 64,
                                   max_capacity=self.max_context)
-        # fp32 (at least) leaf copies of W_0: a bf16 model's inner steps are below half a bf16 ulp
-        weights = inner_loop_weights(self.model.initial_fast_weights(), differentiable=False)
+        # fp32 (at least) copies of W_0, shared by every session (a bf16 model's inner steps are below
+        # half a bf16 ulp); observe() takes its own leaves for the inner gradient
+        weights = self.agent.initial_weights()
+        # round 0 in two chunks, the system block and the rest, whether the block is cached or not, so
+        # a cache hit is bit-identical to a miss (prefix_cache.py)
+        block = self._system_block_length(messages, tools, r.input_ids)
+        prefix = self.prefix_cache
         with torch.inference_mode():  # the cache already has room: only in-place writes below
-            self._forward(r.input_ids, 0, 0, cache, weights, want=[])
+            cached = prefix.restore(r.input_ids[:block], cache, salt=cache_salt) if block and prefix else 0
+            if block and not cached:
+                self._forward(r.input_ids[:block], 0, 0, cache, weights, want=[])
+                if prefix is not None:
+                    prefix.store(r.input_ids[:block], cache, salt=cache_salt)
+            if block < n:
+                self._forward(r.input_ids[block:], block, block, cache, weights, want=[])
         cache.start_round()
         self._s = _State(ids=list(r.input_ids), kinds=list(r.kinds), rounds=list(r.rounds), cache=cache,
                          num_slots=n, prompt_slots=n, weights=weights, round=0, phase="act", round_start=0,
                          round_slot=0, messages=copy.deepcopy(messages), history=[], tools=copy.deepcopy(tools))
-        return {"round": 0, "num_tokens": n}
+        return {"round": 0, "num_tokens": n, "cached_tokens": cached}
+
+    def _system_block_length(self, messages: list[dict], tools: list | None, ids: list[int]) -> int:
+        """Tokens of round 0's system block (system message and tool schemas, rendered on their own),
+        or 0 when there is none (or it is the whole of round 0)."""
+        head = messages[:1] if messages[0]["role"] == "system" else []
+        if not head and not tools:
+            return 0
+        block = render_trajectory({"id": "session", "messages": head, "tools": tools or None}, self.tokenizer).input_ids
+        b = len(block)
+        return b if 0 < b < len(ids) and ids[:b] == block else 0
 
     def act(self, *, force: dict | str | None = None, max_new_tokens: int | None = None,
             temperature: float | None = None, top_p: float | None = None, on_token=None,

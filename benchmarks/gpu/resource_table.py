@@ -7,11 +7,14 @@
 Input (--log, default benchmarks/gpu/logs/cuobjdump_resource_usage.txt): the committed output of
 `cuobjdump --dump-resource-usage` on the prebuilt objects (benchmarks/gpu/prebuild.sh), which
 lists per architecture ("arch = sm_80") every kernel ("Function <mangled name>:") and its
-"REG:n STACK:n SHARED:n LOCAL:n ..." line. Rows: the six FlashBoB kernel families x bf16/fp16 x
-head dim 64/128 (from the mangled template arguments), one column group per architecture:
-registers per thread, stack frame bytes (> 0 means local memory: spilled registers or a local
-array), local bytes and static shared memory (the tiles are dynamic shared memory, sized per
-launcher and bounded at compile time by FLASHBOB_SMEM_LIMIT_KB; cuobjdump does not list it).
+"REG:n STACK:n SHARED:n LOCAL:n ..." line. Rows: the six FlashBoB kernel families x head dim
+64/128 x tile shape (BM/BN/warps of Tiles<BM, BN, warps, ARCH>, from the mangled template
+arguments; every tile set's shapes are in the library) x bf16/fp16 (one row "bf16, fp16" when
+both read the same), one column group per architecture: registers per thread, stack frame bytes
+(> 0 means local memory: spilled registers or a local array), local bytes and static shared
+memory (the tiles are dynamic shared memory, sized per launcher and bounded at compile time by
+the shape's architecture's limit; cuobjdump does not list it). A shape built for a later
+architecture than the column's (ARCH > its sm) is only a trap stub there: "–".
 
 In the docs the table sits between the marker lines BEGIN and END below;
 tests/unit/test_gpu_check.py fails when docs/flashbob.md differs from what this generates.
@@ -32,8 +35,9 @@ FAMILIES = ("fwd_kernel", "bwd_row_kernel", "bwd_col_kernel", "bob_stats_kernel"
 FIELDS = ("REG", "STACK", "LOCAL", "SHARED")
 
 
-def parse(text: str) -> dict[tuple[str, str, str, int], dict[str, int]]:
-    """{(arch, family, dtype, D): {REG, STACK, LOCAL, SHARED}} for the FlashBoB kernels in the dump."""
+def parse(text: str) -> dict[tuple[str, str, str, int, str], dict[str, int]]:
+    """{(arch, family, dtype, D, "BM/BN/warps"): {REG, STACK, LOCAL, SHARED, stub}} for the FlashBoB
+    kernels in the dump; stub = 1 for a shape built for a later architecture than `arch`."""
     out: dict = {}
     arch, func = None, None
     for line in text.splitlines():
@@ -50,28 +54,50 @@ def parse(text: str) -> dict[tuple[str, str, str, int], dict[str, int]]:
             values = dict(re.findall(r"([A-Z]+(?:\[\d+\])?):(\d+)", s))
             fam = next((f for f in FAMILIES if f"{len(f)}{f}" in func), None)
             d = re.search(r"Li(64|128)E", func)
+            t = re.search(r"TilesILi(\d+)ELi(\d+)ELi(\d+)E(?:Li(\d+)E)?", func)
             if fam and d and arch:
                 dtype = "bf16" if "nv_bfloat16" in func else "fp16" if "__half" in func else "?"
-                out[(arch, fam, dtype, int(d.group(1)))] = {k: int(values.get(k, -1)) for k in FIELDS}
+                shape = "/".join(t.groups()[:3]) if t else "?"
+                tile_arch = int(t.group(4) or 800) if t else 800
+                entry = {k: int(values.get(k, -1)) for k in FIELDS}
+                entry["stub"] = int(tile_arch > int(re.sub(r"\D", "", arch)) * 10)
+                out[(arch, fam, dtype, int(d.group(1)), shape)] = entry
             func = None
     return out
+
+
+def _shape_key(shape: str):
+    return tuple(-int(x) if x.isdigit() else 0 for x in shape.split("/"))  # larger blocks first
 
 
 def table(usage: dict) -> str:
     archs = sorted({k[0] for k in usage})
     if not archs:
         raise ValueError("no FlashBoB kernel in the cuobjdump log (wrong file, or the dump failed)")
-    head = "| kernel | dtype | D | " + " | ".join(f"{a} REG | {a} STACK | {a} LOCAL | {a} SHARED" for a in archs) + " |"
-    sep = "|" + "---|" * (3 + 4 * len(archs))
+    head = ("| kernel | D | shape | dtype | "
+            + " | ".join(f"{a} REG | {a} STACK | {a} LOCAL | {a} SHARED" for a in archs) + " |")
+    sep = "|" + "---|" * (4 + 4 * len(archs))
     rows = [head, sep]
+
+    def cells(fam, dtype, D, shape):
+        out = []
+        for a in archs:
+            u = usage.get((a, fam, dtype, D, shape))
+            out += (["–"] * len(FIELDS) if u and u["stub"] else
+                    [str(u[f]) for f in FIELDS] if u else ["missing"] * len(FIELDS))
+        return out
+
     for fam in FAMILIES:
         for D in (64, 128):
-            for dtype in ("bf16", "fp16"):
-                cells = []
-                for a in archs:
-                    u = usage.get((a, fam, dtype, D))
-                    cells += [str(u[f]) if u else "missing" for f in FIELDS]
-                rows.append(f"| {fam.removesuffix('_kernel')} | {dtype} | {D} | " + " | ".join(cells) + " |")
+            shapes = sorted({k[4] for k in usage if k[1] == fam and k[3] == D}, key=_shape_key) or ["?"]
+            for shape in shapes:
+                dtypes = [dt for dt in ("bf16", "fp16") if any(k[1:] == (fam, dt, D, shape) for k in usage)] \
+                    or ["bf16", "fp16"]
+                by_dtype = {dt: cells(fam, dt, D, shape) for dt in dtypes}
+                groups = [(", ".join(dtypes), by_dtype[dtypes[0]])] if len(set(map(tuple, by_dtype.values()))) == 1 \
+                    else list(by_dtype.items())
+                for dt, c in groups:
+                    rows.append(f"| {fam.removesuffix('_kernel')} | {D} | {shape} | {dt} | " + " | ".join(c) + " |")
     return "\n".join(rows)
 
 

@@ -18,8 +18,15 @@ across servers, --repeats times): N clients start together, each one conversatio
 its own session) asking one reply of --max-tokens at temperature 0 (greedy: the three servers
 generate the same tokens). Measured per server and level (medians over repeats):
   aggregate tokens/s   all completion tokens / wall time from the first request sent to the last reply
+  decode tokens/s      batched server only: tokens fed through its batched forwards / the scheduler's time
+                       in them (GET /health "scheduler" before and after the level): the batch's decode
+                       rate without the prefill and turn-end chunks interleaved with it
   per-token latency    per request: its wall time / its completion tokens; p50 and p95 over requests
-The load average is recorded at the start and the end (start only when it is below --max-load).
+Every request starts a new conversation with the same system prompt and tools, so from the warm-up on
+this tree's servers take the system block from their prompt cache (ds_ttt/serve/prefix_cache.py), as a
+fleet's sessions do; today's server prefills it every time.
+The load average is recorded at the start and the end (start only when it is below --max-load and no
+other measurement holds /tmp/ds_ttt_measuring, which this run holds while it measures).
 Results: benchmarks/results/serve_concurrency.{json,md}.
 """
 
@@ -44,6 +51,9 @@ import httpx
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results"
 DEFAULT_BASE = "187dd17"  # the last commit whose server decodes one request at a time
+# --wide: the backbone (tiny_qwen3_config arguments) instead of tiny-mem's; the TTT settings stay the main job's
+WIDE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 64}
 
 
 def load_serve_decode():
@@ -84,14 +94,23 @@ def one_request(url: str, model: str, task: str, max_tokens: int, tools: list, s
             "text": json.dumps(reply["choices"][0]["message"], sort_keys=True)}
 
 
+def scheduler_stats(url: str) -> dict | None:
+    return httpx.get(f"{url}/health", timeout=60).json().get("scheduler")
+
+
 def level(url: str, model: str, n: int, max_tokens: int, tools: list, system: str, tag: str) -> dict:
     tasks = [f"Task {tag}-{i}: count the lines of file{i}.txt and write the number to COUNT{i}." for i in range(n)]
+    before = scheduler_stats(url)
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         got = list(pool.map(lambda t: one_request(url, model, t, max_tokens, tools, system), tasks))
+    after = scheduler_stats(url)
     wall = max(g["end"] for g in got) - min(g["start"] for g in got)
     per_token = sorted((g["end"] - g["start"]) / max(g["tokens"], 1) for g in got)
+    decode = None  # the batched server's own counters: rows through batched forwards / time in them
+    if before is not None and after is not None:
+        decode = (after["rows"] - before["rows"]) / (after["decode_seconds"] - before["decode_seconds"])
     return {"tokens": sum(g["tokens"] for g in got), "wall_s": wall,
-            "tokens_per_s": sum(g["tokens"] for g in got) / wall,
+            "tokens_per_s": sum(g["tokens"] for g in got) / wall, "decode_tokens_per_s": decode,
             "p50_ms": 1000 * statistics.median(per_token),
             "p95_ms": 1000 * per_token[min(len(per_token) - 1, int(round(0.95 * (len(per_token) - 1))))],
             "replies": [g["text"] for g in got]}
@@ -104,6 +123,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--base", default=DEFAULT_BASE, help="commit of today's (unbatched) server")
     p.add_argument("--max-load", type=float, default=2.5, help="wait until the 1-min load average is below this")
+    p.add_argument("--wide", action="store_true",
+                   help="a wider backbone (WIDE: hidden 512, 8 layers), whose weights outweigh each session's KV "
+                        "cache as an 8B model's do; results go to serve_concurrency_wide.{json,md}")
     p.add_argument("--out", default=str(OUT))
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
@@ -114,10 +136,19 @@ def main(argv=None) -> int:
         time.sleep(10)
         waited += 10
     load_start = os.getloadavg()
+    marker = pathlib.Path("/tmp/ds_ttt_measuring")  # other work on this machine waits while it exists
+    marker.write_text(f"benchmarks/serve_concurrency.py pid {os.getpid()}\n")
+    try:
+        return measure(args, levels, load_start)
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def measure(args, levels: list[int], load_start: tuple) -> int:
     from ds_ttt.data.generator import BASH_TOOL, SYSTEM_PROMPT
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="serve_concurrency_"))
-    export, model_info = load_serve_decode().build_export(tmp / "export")
+    export, model_info = load_serve_decode().build_export(tmp / "export", WIDE if args.wide else None)
     old = tmp / "today"
     old.mkdir()
     archive = subprocess.run(["git", "archive", args.base, "ds_ttt"], cwd=REPO, capture_output=True, check=True).stdout
@@ -154,38 +185,53 @@ def main(argv=None) -> int:
             rs = runs[name][n]
             table[name][n] = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "p50_ms", "p95_ms")}
             table[name][n]["tokens"] = rs[0]["tokens"]
+            if rs[0]["decode_tokens_per_s"] is not None:
+                table[name][n]["decode_tokens_per_s"] = statistics.median(r["decode_tokens_per_s"] for r in rs)
     # the same greedy replies from every server (a check that they did the same work)
     same = all(runs[a][n][0]["replies"] == runs["today"][n][0]["replies"] for a in runs for n in levels)
     one = table["batched"][levels[0]]["tokens_per_s"]
     res = {"base_commit": base_sha, "model": model_info, "levels": levels, "max_tokens": args.max_tokens,
            "repeats": args.repeats, "table": table, "same_replies": same,
            "speedup_vs_one": {n: table["batched"][n]["tokens_per_s"] / one for n in levels},
+           "decode_speedup_vs_one": {n: table["batched"][n]["decode_tokens_per_s"]
+                                     / table["batched"][levels[0]]["decode_tokens_per_s"] for n in levels},
            "speedup_vs_today": {n: table["batched"][n]["tokens_per_s"] / table["today"][n]["tokens_per_s"]
                                 for n in levels},
            "load_start": load_start, "load_end": load_end, "cpu_count": os.cpu_count(),
            "platform": platform.platform(), "python": platform.python_version()}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serve_concurrency.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "serve_concurrency.md").write_text(markdown(res))
+    stem = "serve_concurrency_wide" if args.wide else "serve_concurrency"
+    res["wide"] = WIDE if args.wide else None
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))
     return 0 if same else 1
 
 
 def markdown(res: dict) -> str:
     lines = [f"# Serving concurrency (benchmarks/serve_concurrency.py)", "",
-             f"Model: {res['model']['preset']} ({res['model']['num_layers']} layers, hidden {res['model']['hidden']}), "
+             f"Model: {res['model']['preset']}{' widened (--wide)' if res.get('wide') else ''} "
+             f"({res['model']['num_layers']} layers, hidden {res['model']['hidden']}), "
              f"vocab {res['model']['vocab_size']}; greedy, {res['max_tokens']} new tokens per request, "
              f"{res['repeats']} repeats (medians); one thread per server process; today = {res['base_commit'][:7]}. "
              f"Load average at start {res['load_start'][0]:.2f}, at end {res['load_end'][0]:.2f} "
              f"({res['cpu_count']} CPUs). Same replies on every server: {res['same_replies']}.", "",
-             "| sessions | server | aggregate tokens/s | p50 ms/token | p95 ms/token |", "|---|---|---|---|---|"]
+             "Aggregate tokens/s: every completion token over the wall time of the level (prefill, HTTP and all). "
+             "Decode tokens/s (batched server only): tokens fed through batched forwards over the scheduler's time "
+             "in them (its /health counters), i.e. the batch's decode rate without the prefill and turn-end "
+             "chunks interleaved with it.", "",
+             "| sessions | server | aggregate tokens/s | decode tokens/s | p50 ms/token | p95 ms/token |",
+             "|---|---|---|---|---|---|"]
     for n in res["levels"]:
         for name, rows in res["table"].items():
             r = rows[n] if n in rows else rows[str(n)]
-            lines.append(f"| {n} | {name} | {r['tokens_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} |")
+            dec = f"{r['decode_tokens_per_s']:.1f}" if r.get("decode_tokens_per_s") else "-"
+            lines.append(f"| {n} | {name} | {r['tokens_per_s']:.1f} | {dec} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} |")
     lines += ["", "Batched aggregate vs one session: " + ", ".join(
         f"{n}: x{v:.2f}" for n, v in res["speedup_vs_one"].items()),
+        "Batched decode tokens/s vs one session: " + ", ".join(
+        f"{n}: x{v:.2f}" for n, v in res["decode_speedup_vs_one"].items()),
         "Batched vs today's server at the same concurrency: " + ", ".join(
         f"{n}: x{v:.2f}" for n, v in res["speedup_vs_today"].items()), ""]
     return "\n".join(lines)

@@ -46,7 +46,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results"
 
 
-def build_export(out_dir: pathlib.Path) -> tuple[pathlib.Path, dict]:
+def build_export(out_dir: pathlib.Path, backbone: dict | None = None) -> tuple[pathlib.Path, dict]:
+    """The export described in the module docstring; `backbone`: tiny_qwen3_config arguments instead of
+    the preset's (serve_concurrency.py --wide: a model whose weights, not its per-session caches, dominate)."""
     from ds_ttt.config import TTTConfig
     from ds_ttt.data.generator import generate_memory_world
     from ds_ttt.data.render import render_trajectory
@@ -61,6 +63,9 @@ def build_export(out_dir: pathlib.Path) -> tuple[pathlib.Path, dict]:
     tok, _ = trim_tokenizer(full, corpus)
     run = json.loads((REPO / "ds_configs" / "run_cpu_tiny.json").read_text())
     cfg = backbone_config(run["preset"])
+    if backbone:
+        from ds_ttt.model.presets import tiny_qwen3_config
+        cfg = tiny_qwen3_config(**backbone)
     cfg.vocab_size = -(-len(tok) // 64) * 64  # as the trainer pads a compact vocabulary
     torch.manual_seed(0)
     model = TTTQwen3ForCausalLM(cfg, TTTConfig(**run["ttt"])).eval()

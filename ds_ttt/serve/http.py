@@ -7,7 +7,8 @@
         [--memory-budget BYTES] [--idle-timeout 1800] [--max-n 8] [--no-batching]
 
 Endpoints (FastAPI on uvicorn):
-  GET  /health                    {"status": "ok", "model", "sessions", "policy", "attention_backend", "memory", ...}
+  GET  /health                    {"status": "ok", "model", "sessions", "policy", "attention_backend", "memory",
+                                  "scheduler" (batched: steps, decoded tokens, mean batch, decode/chunk seconds), ...}
   GET  /v1/models                 the served model (its name: the export directory's, or --served-model-name),
                                   with its context length ("context_length", "max_model_len")
   GET  /v1/models/{model}
@@ -118,7 +119,8 @@ def create_app(store: ConversationStore, model_name: str, *, api_keys: list[str]
     async def health():
         return {"status": "ok", "model": model_name, "sessions": len(store), "max_sessions": store.max_sessions,
                 "policy": store.agent.model.ttt.context_policy, "attention_backend": store.agent.attention_backend,
-                "max_model_len": store.max_context, "batched": store.engine.batched, "memory": store.memory()}
+                "max_model_len": store.max_context, "batched": store.engine.batched, "memory": store.memory(),
+                "scheduler": store.engine.stats() if store.engine.batched else None}
 
     @app.get("/v1/models")
     async def models(request: Request):

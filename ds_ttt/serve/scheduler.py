@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import sys
 import threading
+import time
 import traceback
 
 import torch
@@ -88,7 +89,9 @@ class BatchScheduler:
         self._active: list = []  # (_Group, decode, logits_V)
         self._closed = False
         self.steps = 0  # batched forwards taken
-        self.rows = 0  # rows over all of them (rows / steps = mean batch)
+        self.rows = 0  # rows over all of them (rows / steps = mean batch): tokens decoded
+        self.decode_seconds = 0.0  # wall time in the batched forwards and the rows' token choices
+        self.chunk_seconds = 0.0  # wall time in chunks (prefill, observe, forced turns) and reply starts/ends
         self._thread = threading.Thread(target=self._loop, name="ds_ttt-scheduler", daemon=True)
         self._thread.start()
 
@@ -113,6 +116,13 @@ class BatchScheduler:
         with self._cv:
             self._closed = True
             self._cv.notify()
+
+    def stats(self) -> dict:
+        """Counters since start (GET /health "scheduler"): rows (one per token fed through a batched
+        forward) / decode_seconds is the decode throughput of the batch alone, without the prefill and
+        observation chunks interleaved with it (a reply's first token comes from its start chunk)."""
+        return {"steps": self.steps, "rows": self.rows, "mean_batch": self.rows / max(self.steps, 1),
+                "decode_seconds": self.decode_seconds, "chunk_seconds": self.chunk_seconds}
 
     # ---- the scheduler thread ----------------------------------------------------------------------
     def _fail(self, group: _Group, e: BaseException) -> None:
@@ -145,6 +155,18 @@ class BatchScheduler:
                     self._fail(group, e)
 
     def _iteration(self, chunk, starting) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._run_chunk_and_starts(chunk, starting)
+        finally:
+            t1 = time.perf_counter()
+            self.chunk_seconds += t1 - t0
+        try:
+            self._decode_step()
+        finally:
+            self.decode_seconds += time.perf_counter() - t1
+
+    def _run_chunk_and_starts(self, chunk, starting) -> None:
         if chunk is not None:
             fn, fut, cancel = chunk
             try:
@@ -161,8 +183,11 @@ class BatchScheduler:
                     self._active.append((group, d, d.first_logits()))
                 except BaseException as e:  # noqa: BLE001
                     self._fail(group, e)
-            if not self._active:
-                return
+
+    def _decode_step(self) -> None:
+        if not self._active:
+            return
+        with torch.inference_mode():
             # choose every row's next token from its logits; the rows that continue take one forward
             stepping = []
             for group, d, logits_V in self._active:
@@ -173,7 +198,11 @@ class BatchScheduler:
                     if d.step(logits_V):
                         stepping.append((group, d))
                     else:
-                        self._finish_row(group, d)
+                        t = time.perf_counter()
+                        self._finish_row(group, d)  # the turn's end into the cache: a chunk, not a decode
+                        dt = time.perf_counter() - t
+                        self.chunk_seconds += dt
+                        self.decode_seconds -= dt
                 except BaseException as e:  # noqa: BLE001
                     self._fail(group, e)
             stepping = [(g, d) for g, d in stepping if not g.future.done()]

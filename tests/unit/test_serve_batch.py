@@ -125,6 +125,8 @@ def test_batch_scheduler_replies_are_the_unbatched_replies(agent):
                 for wx, wy in zip(x.fast_weights, y.fast_weights):
                     torch.testing.assert_close(wx, wy, rtol=1e-5, atol=1e-6)
         assert scheduler.steps > 0 and scheduler.rows / scheduler.steps > 1.5  # rows really shared forwards
+        stats = scheduler.stats()  # GET /health "scheduler": the counters benchmarks/serve_concurrency.py reads
+        assert stats["rows"] == scheduler.rows and stats["decode_seconds"] > 0 and stats["chunk_seconds"] > 0
     finally:
         scheduler.stop()
 

@@ -4,7 +4,7 @@
         [--attention-backend {auto,reference,cpu,cuda}] [--max-sessions 64] [--max-new-tokens 1024] \
         [--served-model-name NAME] [--busy-timeout 60] [--api-key KEY (or $DS_TTT_API_KEY)] \
         [--max-model-len N] [--max-tokens-cap N] [--max-body-bytes 8MiB] [--max-active 16] [--max-queue 64] \
-        [--memory-budget BYTES] [--idle-timeout 1800] [--max-n 8] [--no-batching]
+        [--memory-budget BYTES] [--idle-timeout 1800] [--max-n 8] [--prefix-cache-entries 4] [--no-batching]
 
 Endpoints (FastAPI on uvicorn):
   GET  /health                    {"status": "ok", "model", "sessions", "policy", "attention_backend", "memory",
@@ -23,7 +23,8 @@ batch across sessions (ds_ttt/serve/scheduler.py; --no-batching: every request d
 Bounds: --max-body-bytes (413), --max-tokens-cap (400), --max-active running + --max-queue waiting
 requests (beyond: 429 with Retry-After), --memory-budget for every session's KV cache and fast weights
 (counting those being built), --idle-timeout; a client that disconnects cancels its request, and
-nothing of it is committed. Conversations: ds_ttt/serve/conversations.py; wire format:
+nothing of it is committed. New conversations take their system prompt's keys/values from a per-key
+cache (--prefix-cache-entries; exact, reported as usage.prompt_tokens_details.cached_tokens). Conversations: ds_ttt/serve/conversations.py; wire format:
 ds_ttt/serve/openai_api.py. With --port 0 the server binds a free port and prints it. Logs go to
 stderr. docs/serving.md.
 
@@ -71,24 +72,24 @@ def log(message: str) -> None:
     print(f"[ds_ttt.serve.http] {message}", file=sys.stderr, flush=True)
 
 
-def create_app(store: ConversationStore, model_name: str, *, api_keys: list[str] | None = None,
-               max_body_bytes: int = 8 << 20, max_tokens_cap: int | None = None, max_n: int = 8):
-    """The ASGI app serving `store` under the model id `model_name` (options: the module docstring)."""
-    app = FastAPI(title="ds_ttt", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
-    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "ds_ttt",
-                  "context_length": store.max_context, "max_model_len": store.max_context}
-    keys = [k for k in (api_keys or []) if k]
+class ChatServer:
+    """The handlers of the app (create_app registers them): authentication, bounded bodies, the chat
+    endpoint with cancellation and streaming, the model and session endpoints."""
 
-    def error(e: APIError) -> JSONResponse:
-        headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if getattr(e, "retry_after", None) else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    def __init__(self, store: ConversationStore, model_name: str, *, api_keys: list[str] | None = None,
+                 max_body_bytes: int = 8 << 20, max_tokens_cap: int | None = None, max_n: int = 8):
+        self.store, self.model_name = store, model_name
+        self.keys = [k for k in (api_keys or []) if k]
+        self.max_body_bytes, self.max_tokens_cap, self.max_n = max_body_bytes, max_tokens_cap, max_n
+        self.model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "ds_ttt",
+                           "context_length": store.max_context, "max_model_len": store.max_context}
 
-    def owner_of(request: Request) -> str | None:
+    # ---- access and input ------------------------------------------------------------------------
+    def owner_of(self, request: Request) -> str | None:
         """The caller's key id (None without --api-key); 401 for a missing or wrong key. Every /v1
         handler calls it first (a plain call, not an HTTP middleware: Starlette's BaseHTTPMiddleware
         hides the client's disconnect from the handler, which cancellation needs)."""
-        if not keys:
+        if not self.keys:
             return None
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
@@ -96,73 +97,76 @@ def create_app(store: ConversationStore, model_name: str, *, api_keys: list[str]
             raise APIError(401, "You didn't provide an API key (Authorization: Bearer KEY)", type="invalid_request_error",
                            code="invalid_api_key")
         token = token.strip()
-        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
+        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.keys):
             raise APIError(401, "Incorrect API key provided", type="invalid_request_error", code="invalid_api_key")
         return key_id(token)
 
-
-    @app.exception_handler(APIError)
-    async def _api_error(request, e: APIError):
-        return error(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind))
-
-    @app.exception_handler(Exception)
-    async def _internal(request, e):
-        traceback.print_exc(file=sys.stderr)
-        return error(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_name, "sessions": len(store), "max_sessions": store.max_sessions,
-                "policy": store.agent.model.ttt.context_policy, "attention_backend": store.agent.attention_backend,
-                "max_model_len": store.max_context, "batched": store.engine.batched, "memory": store.memory(),
-                "scheduler": store.engine.stats() if store.engine.batched else None}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        owner_of(request)
-        return {"object": "list", "data": [model_card]}
-
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str, request: Request):
-        owner_of(request)
-        if model != model_name:
-            raise APIError(404, f"The model {model!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
-        return model_card
-
-    @app.get("/v1/sessions/{session_id}")
-    async def session(session_id: str, request: Request):
-        return store.ttt_info(store.get(session_id, owner_of(request)))
-
-    @app.delete("/v1/sessions/{session_id}")
-    async def close(session_id: str, request: Request):
-        await anyio.to_thread.run_sync(store.close, session_id, owner_of(request))
-        return {"id": session_id, "object": "session", "deleted": True}
-
-    async def read_body(request: Request) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
-        too_big = APIError(413, f"the request body exceeds {max_body_bytes} bytes (--max-body-bytes)",
+        too_big = APIError(413, f"the request body exceeds {self.max_body_bytes} bytes (--max-body-bytes)",
                            code="request_too_large")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise too_big
         parts, size = [], 0
         async for part in request.stream():
             size += len(part)
-            if size > max_body_bytes:
+            if size > self.max_body_bytes:
                 raise too_big
             parts.append(part)
         return b"".join(parts)
 
-    async def run_cancellable(request: Request, req, owner):
+    # ---- small endpoints -------------------------------------------------------------------------
+    async def health(self):
+        store = self.store
+        return {"status": "ok", "model": self.model_name, "sessions": len(store), "max_sessions": store.max_sessions,
+                "policy": store.agent.model.ttt.context_policy, "attention_backend": store.agent.attention_backend,
+                "max_model_len": store.max_context, "batched": store.engine.batched, "memory": store.memory(),
+                "scheduler": store.engine.stats() if store.engine.batched else None}
+
+    async def models(self, request: Request):
+        self.owner_of(request)
+        return {"object": "list", "data": [self.model_card]}
+
+    async def model(self, model: str, request: Request):
+        self.owner_of(request)
+        if model != self.model_name:
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        return self.model_card
+
+    async def session(self, session_id: str, request: Request):
+        return self.store.ttt_info(self.store.get(session_id, self.owner_of(request)))
+
+    async def close(self, session_id: str, request: Request):
+        await anyio.to_thread.run_sync(self.store.close, session_id, self.owner_of(request))
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    # ---- chat completions ------------------------------------------------------------------------
+    async def chat(self, request: Request):
+        owner = self.owner_of(request)  # before the body is read
+        # request threads wait on the scheduler (or run the model): one per admitted or queued request
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, self.store.max_active + self.store.max_queue + 8)
+        raw = await self.read_body(request)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+        req = parse_chat_request(body, served_model=self.model_name, max_tokens_cap=self.max_tokens_cap,
+                                 max_n=self.max_n)
+        if req.ignored:
+            log(f"ignored unknown request field(s): {', '.join(req.ignored)}")
+        reply_id, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+        if not req.stream:
+            result = await self.run_cancellable(request, req, owner)  # the model runs off the event loop
+            return self.reply_of(result, reply_id, created)
+        return await self.stream(req, reply_id, created, owner)
+
+    async def run_cancellable(self, request: Request, req, owner):
         """store.chat in a worker thread; a client that goes away cancels it (nothing is committed)."""
         cancel = threading.Event()
         task = asyncio.ensure_future(anyio.to_thread.run_sync(
-            lambda: store.chat(req, owner=owner, cancel=cancel)))
+            lambda: self.store.chat(req, owner=owner, cancel=cancel)))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SEC)
@@ -180,35 +184,15 @@ def create_app(store: ConversationStore, model_name: str, *, api_keys: list[str]
             cancel.set()
             raise
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        owner = owner_of(request)  # before the body is read
-        # request threads wait on the scheduler (or run the model): one per admitted or queued request
-        limiter = anyio.to_thread.current_default_thread_limiter()
-        limiter.total_tokens = max(limiter.total_tokens, store.max_active + store.max_queue + 8)
-        raw = await read_body(request)
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
-        req = parse_chat_request(body, served_model=model_name, max_tokens_cap=max_tokens_cap, max_n=max_n)
-        if req.ignored:
-            log(f"ignored unknown request field(s): {', '.join(req.ignored)}")
-        reply_id, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
-        if not req.stream:
-            result = await run_cancellable(request, req, owner)  # the model runs off the event loop
-            return reply_of(result, reply_id, created)
-        return await stream(req, reply_id, created, owner)
-
-    def reply_of(result, reply_id: str, created: int) -> dict:
+    def reply_of(self, result, reply_id: str, created: int) -> dict:
         choices = [{"message": c["message"], "finish_reason": finish_reason(c["message"], c["truncated"]),
                     "logprobs": c["logprobs"], "ttt": c["ttt"]} for c in result.choices]
         usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
                  "total_tokens": result.prompt_tokens + result.completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
-        return completion(reply_id, model_name, choices, usage, result.ttt, created)
+        return completion(reply_id, self.model_name, choices, usage, result.ttt, created)
 
-    async def stream(req, reply_id: str, created: int, owner):
+    async def stream(self, req, reply_id: str, created: int, owner):
         """SSE while generating: the request runs in a worker thread whose on_token callback feeds a
         queue; an error before the first token is a plain error reply (status and error object)."""
         loop = asyncio.get_running_loop()
@@ -220,7 +204,8 @@ def create_app(store: ConversationStore, model_name: str, *, api_keys: list[str]
 
         def work():
             try:
-                put(("done", store.chat(req, on_token=lambda tok: put(("token", tok)), owner=owner, cancel=cancel)))
+                put(("done", self.store.chat(req, on_token=lambda tok: put(("token", tok)), owner=owner,
+                                             cancel=cancel)))
             except Cancelled:
                 log("client disconnected mid-stream: request cancelled, nothing committed")
             except Exception as e:  # noqa: BLE001 - delivered to the stream
@@ -233,37 +218,71 @@ def create_app(store: ConversationStore, model_name: str, *, api_keys: list[str]
             raise
         if first[0] == "error":
             raise first[1]
-        out = ChatStream(reply_id, model_name, created)
-        tokenizer = store.agent.tokenizer
 
         async def body():
             try:
-                async for chunk in events_of():
+                async for chunk in self._sse(req, reply_id, created, first, events):
                     yield chunk
             finally:  # the client went away (the generator is closed) or the reply ended
                 cancel.set()
-
-        async def events_of():
-            yield "".join(out.start())
-            ids, event = [], first
-            while True:
-                kind, value = event
-                if kind == "token":
-                    ids.append(value)
-                    for chunk in out.text(tokenizer.decode(ids, skip_special_tokens=False)):
-                        yield chunk
-                elif kind == "done":
-                    yield "".join(out.end(reply_of(value, reply_id, created), include_usage=req.include_usage))
-                    return
-                else:
-                    if not isinstance(value, APIError):
-                        traceback.print_exception(value, file=sys.stderr)
-                        value = APIError(500, f"internal error: {type(value).__name__}: {value}", type="server_error")
-                    yield "".join(out.error(value))
-                    return
-                event = await events.get()
         return StreamingResponse(body(), media_type="text/event-stream")
 
+    async def _sse(self, req, reply_id: str, created: int, event, events: asyncio.Queue):
+        """The SSE chunks of a streamed reply, from its first event on."""
+        out = ChatStream(reply_id, self.model_name, created)
+        tokenizer = self.store.agent.tokenizer
+        yield "".join(out.start())
+        ids = []
+        while True:
+            kind, value = event
+            if kind == "token":
+                ids.append(value)
+                for chunk in out.text(tokenizer.decode(ids, skip_special_tokens=False)):
+                    yield chunk
+            elif kind == "done":
+                yield "".join(out.end(self.reply_of(value, reply_id, created), include_usage=req.include_usage))
+                return
+            else:
+                if not isinstance(value, APIError):
+                    traceback.print_exception(value, file=sys.stderr)
+                    value = APIError(500, f"internal error: {type(value).__name__}: {value}", type="server_error")
+                yield "".join(out.error(value))
+                return
+            event = await events.get()
+
+
+def error_response(e: APIError) -> JSONResponse:
+    """An OpenAI error object with the error's status (and Retry-After for a 429)."""
+    headers = {"Retry-After": f"{max(1, round(e.retry_after))}"} if getattr(e, "retry_after", None) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def create_app(store: ConversationStore, model_name: str, **options):
+    """The ASGI app serving `store` under the model id `model_name`; options: ChatServer's (api_keys,
+    max_body_bytes, max_tokens_cap, max_n; the module docstring). Every error is an OpenAI error object."""
+    server = ChatServer(store, model_name, **options)
+    app = FastAPI(title="ds_ttt", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e):
+        traceback.print_exc(file=sys.stderr)
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    app.get("/health")(server.health)
+    app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model:path}")(server.model)
+    app.get("/v1/sessions/{session_id}")(server.session)
+    app.delete("/v1/sessions/{session_id}")(server.close)
+    app.post("/v1/chat/completions")(server.chat)
     return app
 
 
@@ -312,6 +331,9 @@ def main(argv=None) -> int:
                         "(default: unbounded; idle sessions are evicted to make room, else 429)")
     p.add_argument("--idle-timeout", type=float, default=1800.0, help="seconds before an idle conversation is dropped")
     p.add_argument("--max-n", type=int, default=8, help="largest n (choices) of one request")
+    p.add_argument("--prefix-cache-entries", type=int, default=4,
+                   help="system prompts (+ tool schemas) whose keys/values are kept for new conversations of the "
+                        "same API key (0: none); counted in --memory-budget")
     p.add_argument("--no-batching", action="store_true", help="decode every request alone (the unbatched path)")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -324,7 +346,8 @@ def main(argv=None) -> int:
     store = ConversationStore(agent, max_sessions=args.max_sessions, max_new_tokens=args.max_new_tokens,
                               busy_timeout=args.busy_timeout, max_context=args.max_model_len,
                               memory_budget=args.memory_budget, idle_timeout=args.idle_timeout,
-                              max_active=args.max_active, max_queue=args.max_queue, engine=engine)
+                              max_active=args.max_active, max_queue=args.max_queue, engine=engine,
+                              prefix_cache_entries=args.prefix_cache_entries)
     store.start_reaper()
     raw_keys = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, "")
     keys = [k.strip() for k in raw_keys.split(",") if k.strip()]

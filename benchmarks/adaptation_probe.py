@@ -25,6 +25,7 @@ import torch
 
 from ds_ttt.config import TTTConfig
 from ds_ttt.data.manifest import load_manifest
+from ds_ttt.data.token_kind import TokenKind
 from ds_ttt.model.presets import tiny_qwen3_config
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 
@@ -32,7 +33,7 @@ from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 def to_batch(rendered):
     t = max(len(r.input_ids) for r in rendered)
     ids = torch.zeros(len(rendered), t, dtype=torch.long)
-    kinds = torch.full((len(rendered), t), -1)
+    kinds = torch.full((len(rendered), t), TokenKind.PAD)
     rounds = torch.zeros(len(rendered), t, dtype=torch.long)
     for i, r in enumerate(rendered):
         n = len(r.input_ids)
@@ -58,7 +59,7 @@ def score_memory(model, test, update: bool) -> dict:
     exact = total = ok_tokens = tokens = 0
     nll = 0.0
     for ev in scored_rounds(model, test, "memory", lambda m: [c["round"] for c in m.get("memory_checks") or []], update):
-        act = ev.label_kinds == 1
+        act = ev.label_kinds == TokenKind.ACTION
         hit = ev.argmax[act] == ev.labels[act]
         exact += bool(hit.all())
         total += 1
@@ -74,7 +75,7 @@ def score_recovery(model, test, update: bool) -> dict:
     """Action NLL of the round after each failing command (error_recovery family, meta.recovery_rounds)."""
     nll, tokens = 0.0, 0
     for ev in scored_rounds(model, test, "error_recovery", lambda m: m.get("recovery_rounds") or [], update):
-        act = ev.label_kinds == 1
+        act = ev.label_kinds == TokenKind.ACTION
         nll += float(ev.token_nll[act].sum())
         tokens += int(act.sum())
     return {"nll": nll / max(tokens, 1), "tokens": tokens}

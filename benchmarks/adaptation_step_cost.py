@@ -39,6 +39,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from ds_ttt.config import TTTConfig
     from ds_ttt.data.manifest import load_manifest
+    from ds_ttt.data.token_kind import TokenKind
     from ds_ttt.model.presets import backbone_config
     from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
     from ds_ttt.train.data_loader import collate, samples_from_manifest
@@ -74,7 +75,7 @@ def main() -> None:
                 cpu[s].append((time.process_time() - c0) / len(batches))
             losses[s] = float(out.loss)
             m.zero_grad(set_to_none=True)
-    tokens = sum(int((b["kinds"] >= 0).sum()) for b in batches) / len(batches)
+    tokens = sum(int((b["kinds"] != TokenKind.PAD).sum()) for b in batches) / len(batches)
     rows = [{"attention_backend": s[0], "checkpoint_events": s[1], "wall_s_median": statistics.median(wall[s]),
              "wall_s_min": min(wall[s]), "wall_s_max": max(wall[s]), "cpu_s_median": statistics.median(cpu[s]),
              "loss": losses[s]} for s in SETTINGS]

@@ -11,7 +11,8 @@ gradient (ds_ttt/train/pipeline.py), so the frozen stages run forward only.
 Both revisions are extracted with `git archive` into temporary trees and run with the same worker
 (this file, `--mode worker`, one torchrun launch of 4 CPU ranks over gloo per measurement, the tree on
 PYTHONPATH): the real DeepSpeed pipeline engine (ZeRO-1, clipping, AdamW) on the same synthetic global
-batch, one warm-up step, then `--steps` timed optimizer steps. The launches alternate before/after
+batch (built once by this tree's ds_ttt.data.synthetic and handed to every worker as JSON, since an
+older tree may lack that module), one warm-up step, then `--steps` timed optimizer steps. The launches alternate before/after
 `--repeats` times (the machine is shared: interleaving spreads the load drift over both). Reported per
 revision, medians over all timed steps: the wall step time, the process CPU seconds per step summed
 over the 4 ranks (the work done; robust to waiting for a shared core) and the CPU seconds each stage
@@ -37,9 +38,22 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ROUND_LAYOUT = [0] * 8 + [1] * 40 + [2] * 80  # one event: header, action, observation
+ROUND = dict(header=8, action=40, observation=80, separator=0)  # one event: header, action, observation
 NUM_ROUNDS, GAS, VOCAB = 4, 4, 4096
+DATA_SEED = 1
 TTT = dict(adaptive_layers=2, trainable_scope="prime", attention_backend="reference", inner_lr=0.1)
+
+
+def trajectories() -> list[list[list[int]]]:
+    """The global batch: GAS trajectories of NUM_ROUNDS rounds (numbered from 0, no prompt) as
+    [ids, kinds, rounds] lists, ids drawn in turn from one generator."""
+    import torch
+
+    from ds_ttt.data.synthetic import synthetic_trajectory
+
+    g = torch.Generator().manual_seed(DATA_SEED)
+    return [[t.tolist() for t in synthetic_trajectory(vocab_size=VOCAB, generator=g, num_rounds=NUM_ROUNDS,
+                                                      first_round=0, **ROUND)] for _ in range(GAS)]
 
 
 def worker(args) -> None:
@@ -70,14 +84,11 @@ def worker(args) -> None:
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
                                                                           if p.requires_grad], config=ds)
-    g = torch.Generator().manual_seed(1)
-    kinds = ROUND_LAYOUT * NUM_ROUNDS
-    rounds = [r for r in range(NUM_ROUNDS) for _ in ROUND_LAYOUT]
-    samples = [Sample(f"s{i}", torch.randint(0, VOCAB, (len(kinds),), generator=g).tolist(), kinds, rounds)
-               for i in range(GAS)]
+    data = json.loads(pathlib.Path(args.samples).read_text())
+    samples = [Sample(f"s{i}", ids, kinds, rounds) for i, (ids, kinds, rounds) in enumerate(data)]
     batches = TrajectoryBatches(samples, num_samples=GAS, train_batch_size=GAS, micro_batch_size=1,
                                 gradient_accumulation_steps=GAS, dp_rank=0, dp_size=1, seed=0, bucket=64,
-                                capacity=len(kinds))
+                                capacity=len(data[0][0]))
     it = batches.iterate(0)
     last = module.last_stage_layer()
     # CPU seconds this rank spends in DeepSpeed's BackwardPass instructions (process CPU time: on shared
@@ -132,11 +143,12 @@ def extract(rev: str, dest: pathlib.Path) -> str:
     return sha
 
 
-def measure(tree: pathlib.Path, steps: int, result: pathlib.Path) -> dict:
+def measure(tree: pathlib.Path, steps: int, samples: pathlib.Path, result: pathlib.Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(tree),
            "TORCH_EXTENSIONS_DIR": str(ROOT / ".torch_extensions")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
-           str(pathlib.Path(__file__).resolve()), "--mode", "worker", "--steps", str(steps), "--result", str(result)]
+           str(pathlib.Path(__file__).resolve()), "--mode", "worker", "--steps", str(steps), "--samples", str(samples),
+           "--result", str(result)]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise RuntimeError(f"worker failed in {tree}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -153,6 +165,7 @@ def main() -> None:
     ap.add_argument("--after", default="HEAD", help="git revision with gradient-free frozen boundaries")
     ap.add_argument("--steps", type=int, default=6, help="timed optimizer steps per launch (after 1 warm-up)")
     ap.add_argument("--repeats", type=int, default=3, help="launches per revision, interleaved")
+    ap.add_argument("--samples", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -164,10 +177,13 @@ def main() -> None:
         tmp = pathlib.Path(tmp)
         trees = {name: tmp / name for name in ("before", "after")}
         shas = {name: extract(rev, trees[name]) for name, rev in (("before", args.before), ("after", args.after))}
+        batch = trajectories()
+        tokens = len(batch[0][0])
+        (tmp / "samples.json").write_text(json.dumps(batch))
         runs = {"before": [], "after": []}
         for r in range(args.repeats):
             for name in ("before", "after"):
-                out = measure(trees[name], args.steps, tmp / f"{name}_{r}.json")
+                out = measure(trees[name], args.steps, tmp / "samples.json", tmp / f"{name}_{r}.json")
                 runs[name].append(out)
                 print(f"[{r}] {name}: step {statistics.median(out['step_s']):.3f} s, CPU "
                       f"{statistics.median(out['cpu_s_per_step_all_ranks']):.3f} s (all ranks), backward CPU by "
@@ -187,7 +203,7 @@ def main() -> None:
         "revisions": shas, "steps_per_launch": args.steps, "repeats": args.repeats, "runs": runs, "median": med,
         "ratio_before_over_after": {k: med["before"][k] / med["after"][k] for k in ("step_s", "cpu_s_all_ranks")},
         "setup": {"layers": 8, "adaptive": 2, "hidden": 128, "vocab": VOCAB, "tokens_per_trajectory":
-                  len(ROUND_LAYOUT) * NUM_ROUNDS, "global_batch": f"1 x {GAS} x 1", "ranks": 4, "ttt": TTT},
+                  tokens, "global_batch": f"1 x {GAS} x 1", "ranks": 4, "ttt": TTT},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m_end": os.getloadavg()[0]},
     }
     out = pathlib.Path(args.out)
@@ -198,7 +214,7 @@ def main() -> None:
              f"--before {args.before} --after {args.after} --steps {args.steps} --repeats {args.repeats}`", "",
              f"4 CPU ranks (gloo) on {os.cpu_count()} shared cores; tiny 8-layer Qwen3 (hidden 128, vocab {VOCAB}), "
              f"stages 0-2 frozen (2 layers each), stage 3 = 2 adaptive layers; global batch {GAS} x "
-             f"{len(ROUND_LAYOUT) * NUM_ROUNDS} tokens; {args.repeats} launches per revision, interleaved, "
+             f"{tokens} tokens; {args.repeats} launches per revision, interleaved, "
              f"{args.steps} timed steps each; medians over all timed steps. CPU seconds are process CPU time "
              "(the work done, robust to waiting for a shared core); the wall step time includes that wait.", "",
              "| revision | commit | step wall (s) | CPU s / step, all ranks | backward CPU s / step, stages 0 / 1 / 2 / 3 |",

@@ -429,33 +429,26 @@ def measure_stage_memory(module, stage: int, is_last: bool, mb: MicroBatch, devi
 
 def synthetic_micro_batch(config, num_tokens: int, *, device: str, seed: int = 0, prompt: int | None = None,
                           action: int | None = None, observation: int | None = None) -> MicroBatch:
-    """One trajectory of exactly `num_tokens` tokens with the structure of benchmarks/gpu/bench_last_stage.py:
-    a prompt, then rounds of (2 header, action, 1, observation, 1) tokens, the last round cut at T.
-    Defaults scale with the length (prompt T/16, action T/32, observation 3T/32: at T = 8192 exactly the
-    recorded H200 last-stage trajectory, 9 events)."""
-    import torch
+    """One trajectory of exactly `num_tokens` tokens with the structure of the GPU check's last-stage
+    benchmark (ds_ttt.data.synthetic's default round): a prompt, then rounds of (2 header, action, 1,
+    observation, 1) tokens, the last round cut at T. Defaults scale with the length (prompt T/16,
+    action T/32, observation 3T/32: at T = 8192 exactly the recorded H200 last-stage trajectory, 9 events)."""
+    from ds_ttt.data.synthetic import synthetic_trajectory
 
     prompt = max(1, num_tokens // 16) if prompt is None else prompt
     action = max(1, num_tokens // 32) if action is None else action
     observation = max(1, 3 * num_tokens // 32) if observation is None else observation
-    one_round = [0, 0] + [1] * action + [0] + [2] * observation + [0]
-    kinds, rounds, r = [0] * prompt, [0] * prompt, 0
-    while len(kinds) < num_tokens:
-        r += 1
-        take = one_round[: num_tokens - len(kinds)]
-        kinds += take
-        rounds += [r] * len(take)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, config.vocab_size, (1, num_tokens), generator=g)
-    return MicroBatch(ids.to(device), torch.tensor([kinds], device=device), torch.tensor([rounds], device=device),
-                      num_tokens, {})
+    ids_T, kinds_T, rounds_T = synthetic_trajectory(num_tokens, vocab_size=config.vocab_size, seed=seed,
+                                                    prompt=prompt, action=action, observation=observation)
+    return MicroBatch(ids_T[None].to(device), kinds_T[None].to(device), rounds_T[None].to(device), num_tokens, {})
 
 
 def micro_batch_from_rows(rows, *, bucket: int, capacity: int, device: str) -> MicroBatch:
+    from ds_ttt.data.token_kind import TokenKind
     from ds_ttt.train.data_loader import collate
 
     ids, kinds, rounds = collate(rows, bucket=bucket, capacity=capacity)
-    return MicroBatch(ids.to(device), kinds.to(device), rounds.to(device), int((kinds >= 0).sum()), {})
+    return MicroBatch(ids.to(device), kinds.to(device), rounds.to(device), int((kinds != TokenKind.PAD).sum()), {})
 
 
 def layout_name(stages: int, dp: int) -> str:
@@ -636,8 +629,10 @@ def fast_weight_bytes_per_update(device: str = "cpu", *, lengths=(512, 1024), pr
 def count_updates(mb: MicroBatch) -> int:
     """Observed rounds (one inner update each): a round is observed when a label in it predicts an
     observation token (label t predicts token t + 1; the event loop's rule)."""
+    from ds_ttt.data.token_kind import TokenKind
+
     kinds, rounds = mb.kinds_BT[0].tolist(), mb.rounds_BT[0].tolist()
-    return len({rounds[t] for t in range(len(kinds) - 1) if kinds[t + 1] == 2})
+    return len({rounds[t] for t in range(len(kinds) - 1) if kinds[t + 1] == TokenKind.OBSERVATION})
 
 
 def mem_method(device: str) -> str:

@@ -34,7 +34,8 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ROUND_LAYOUT = [0] * 8 + [1] * 40 + [2] * 80  # one event: header, action, observation
+ROUND = dict(header=8, action=40, observation=80, separator=0)  # one event: header, action, observation
+PROMPT_TOKENS = 16
 TTT = dict(adaptive_layers=2, trainable_scope="prime")
 
 
@@ -43,13 +44,12 @@ def rss_gb() -> float:
 
 
 def trajectory(num_tokens: int, vocab: int, seed: int):
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    num_rounds = num_tokens // len(ROUND_LAYOUT)
-    kinds = [0] * 16 + ROUND_LAYOUT * num_rounds
-    rounds = [0] * 16 + [r for r in range(1, num_rounds + 1) for _ in ROUND_LAYOUT]
-    kinds, rounds = kinds[:num_tokens], rounds[:num_tokens]
-    return torch.randint(0, vocab, (len(kinds),), generator=g).tolist(), kinds, rounds
+    """ids, kinds, rounds (lists): the prompt, then num_tokens // 128 rounds, cut at num_tokens."""
+    from ds_ttt.data.synthetic import round_kinds, synthetic_trajectory
+
+    tensors = synthetic_trajectory(num_tokens, vocab_size=vocab, seed=seed, prompt=PROMPT_TOKENS,
+                                   num_rounds=num_tokens // len(round_kinds(**ROUND)), **ROUND)
+    return tuple(t.tolist() for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -46,11 +46,10 @@ for p in (str(HERE), str(REPO)):
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from ds_ttt.data import synthetic  # noqa: E402
 from ds_ttt.data.token_kind import TokenKind  # noqa: E402
 from gpu_results import PhaseRecord, positive_ints  # noqa: E402
 
-HEADER_TOKENS = 2  # assistant-turn header (context) before each action
-SEPARATOR_TOKENS = 1  # context between action and observation, and after the observation
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -58,26 +57,15 @@ def synthetic_trajectory(num_tokens: int, *, prompt: int, action: int, observati
                          seed: int = 0, device="cpu"):
     """ids, kinds, rounds [1, T] of one trajectory with exactly `num_tokens` tokens.
 
-    Round 0 is `prompt` context tokens; round r >= 1 is HEADER context tokens, `action` action
+    Round 0 is `prompt` context tokens; round r >= 1 is a 2-token header (context), `action` action
     tokens, a separator, `observation` observation tokens and a separator; the last round is cut
-    at T. Kinds: 0 context, 1 action, 2 observation (the project's convention).
+    at T (ds_ttt.data.synthetic's default round).
     """
     if prompt < 1 or action < 1 or observation < 1:
         raise ValueError("prompt, action and observation must each be >= 1 token")
-    if num_tokens <= prompt:
-        raise ValueError(f"num_tokens={num_tokens} must exceed the prompt ({prompt} tokens)")
-    one_round = ([TokenKind.CONTEXT] * HEADER_TOKENS + [TokenKind.ACTION] * action + [TokenKind.CONTEXT] * SEPARATOR_TOKENS
-                 + [TokenKind.OBSERVATION] * observation + [TokenKind.CONTEXT] * SEPARATOR_TOKENS)
-    kinds, rounds = [TokenKind.CONTEXT] * prompt, [0] * prompt
-    r = 0
-    while len(kinds) < num_tokens:
-        r += 1
-        take = one_round[: num_tokens - len(kinds)]
-        kinds += take
-        rounds += [r] * len(take)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (1, num_tokens), generator=g)
-    return (ids.to(device), torch.tensor([kinds], device=device), torch.tensor([rounds], device=device))
+    tensors = synthetic.synthetic_trajectory(num_tokens, vocab_size=vocab, seed=seed, prompt=prompt, action=action,
+                                             observation=observation)
+    return tuple(t[None].to(device) for t in tensors)
 
 
 def build_last_stage(config, *, num_adaptive: int, prime_width: int | None = None, device="cpu",
@@ -180,8 +168,9 @@ def run(*, out: str, contexts: list[int], backends: list[str], repeats: int = 2,
             f"{cfg.num_key_value_heads} heads, head_dim {cfg.head_dim}, MLP {cfg.intermediate_size}, prime MLP "
             f"{cfg.intermediate_size}) + final norm + LM head (vocab {cfg.vocab_size}), random {dtype} weights on "
             f"{device}; input hidden [1, T, {cfg.hidden_size}] requires grad; rounds: prompt {prompt}, then "
-            f"({HEADER_TOKENS} header, {action} action, {SEPARATOR_TOKENS}, {observation} observation, "
-            f"{SEPARATOR_TOKENS}) per round; per-event non-reentrant checkpointing, create_graph=True; "
+            f"({synthetic.DEFAULT_HEADER_TOKENS} header, {action} action, {synthetic.DEFAULT_SEPARATOR_TOKENS}, "
+            f"{observation} observation, {synthetic.DEFAULT_SEPARATOR_TOKENS}) per round; "
+            "per-event non-reentrant checkpointing, create_graph=True; "
             "step = event loop + backward (no optimizer step); step s = min over repeats after a warm-up; "
             "peak = max allocated bytes during the steps, weights included.")
     rec = PhaseRecord(out, "last_stage", config={

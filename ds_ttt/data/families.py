@@ -25,7 +25,6 @@ WORDS = (
     "pepper quartz raven sierra tundra umber violet willow xenon yarrow zephyr amber basil cobalt dune"
 ).split()
 SERVICES = "api worker gateway billing auth search metrics scheduler notifier ingest".split()
-EXTS = ["py", "sh", "txt", "cfg", "md"]
 
 
 def _name(rng: random.Random) -> str:

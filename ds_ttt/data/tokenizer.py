@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import tempfile
-import unicodedata
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
@@ -64,7 +63,6 @@ QWEN3_ADDED_TOKENS: tuple[tuple[int, str, bool], ...] = (
 )
 NUM_BPE_RANKS = 151643
 QWEN3_TOKENIZER_SIZE = NUM_BPE_RANKS + len(QWEN3_ADDED_TOKENS)  # 151669 tokens in the full tokenizer
-MODEL_VOCAB_SIZE = 151936  # the embedding table is padded beyond the last added token
 QWEN3_IDS_FILE = "qwen3_ids.json"  # a compact vocabulary's map: new id -> Qwen3 id
 CHAT_TEMPLATE_PATH = Path(__file__).with_name("qwen3_chat_template.jinja")
 _RECIPE_VERSION = "qwen3-bpe-v2"  # bump when the construction below changes
@@ -293,17 +291,8 @@ def load_tokenizer(model_dir: str | None = None) -> PreTrainedTokenizerFast:
     return tok
 
 
-def tokenizer_json(tokenizer) -> str:
-    """The canonical tokenizer.json text of a fast tokenizer."""
-    return tokenizer.backend_tokenizer.to_str()
-
-
 def tokenizer_hash(tokenizer) -> str:
     """sha256 of the tokenizer.json content (what `save_pretrained` writes as tokenizer.json)."""
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         return hashlib.sha256((Path(tmp) / "tokenizer.json").read_bytes()).hexdigest()
-
-
-def nfc(text: str) -> str:
-    return unicodedata.normalize("NFC", text)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from transformers import Qwen3Config
 
-QWEN3_VOCAB_SIZE = 151936
+QWEN3_VOCAB_SIZE = 151936  # Qwen3's embedding rows: the table is padded beyond the tokenizer's 151,669 tokens
 
 
 def qwen3_8b_config() -> Qwen3Config:

@@ -1,33 +1,3 @@
 #!/usr/bin/env bash
-# GPU check: validate and measure ds_ttt's CUDA path in one unattended run (< 9 minutes wall).
-#
-#   bash benchmarks/gpu_check.sh                      # results in benchmarks/results/gpu/
-#   bash benchmarks/gpu_check.sh --out "$OUT"         # e.g. on the lent device machine (docs/gpu.md)
-#   bash benchmarks/gpu_check.sh --quick              # smoke run (N in {1K, 4K}, T = 2K)
-#   bash benchmarks/gpu_check.sh --plan               # print phases and time limits, run nothing
-#   bash benchmarks/gpu_check.sh --help               # every option
-#
-# Phases (each in its own process with its own time limit), ordered by what they tell: install what
-# requirements/gpu.txt provides and the check needs (skipping what is present; from .whl/ when that
-# folder holds wheels); load the FlashBoB op (the C-ABI library of benchmarks/gpu/prebuild.sh when
-# its manifest fits, else JIT; which and how long is recorded); the tensor-core probe against the
-# PTX ISA tables with every lane saved; each launcher's kernels alone at N = 96 under
-# CUDA_LAUNCH_BLOCKING=1, naming the kernel and its first wrong element; compute-sanitizer memcheck,
-# racecheck and synccheck where the image has it (else a recorded skip); pytest tests/ops (a module
-# skipped as a whole fails); the FlashBoB CUDA benchmark with per-kernel profiler times at 8K; one
-# meta-training step of a Qwen3-8B-shaped last pipeline stage at T = 2K / 8K / 16K; the real
-# `deepspeed launch/train.py` on the GPU (one stage, save + --resume); each PP4 stage timed alone.
-# Writes environment.json, setup.json, flashbob_cuda.json, last_stage.json, trainer.json,
-# pipeline_balance_gpu.json, summary.md, gpu_check.log (8 files).
-# Exit 0: every correctness check passed; 1: a check failed; 2: refused (no CUDA GPU visible —
-# nothing is written) or bad arguments. Python: $PYTHON (default python3), >= 3.10.
-# The work is done by benchmarks/gpu/gpu_check.py; see docs/gpu.md.
-set -uo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$repo"
-python_bin="${PYTHON:-python3}"
-if ! command -v "$python_bin" >/dev/null 2>&1; then
-  echo "gpu_check: refused: no Python interpreter '$python_bin' on PATH (set PYTHON=/path/to/python3.11)" >&2
-  exit 2
-fi
-exec "$python_bin" benchmarks/gpu/gpu_check.py "$@"
+# Forwarder: the GPU check lives in gpu_check/ (bash gpu_check/run.sh; docs/gpu.md). This path stays because the team brief and issue 20 name `bash benchmarks/gpu_check.sh`.
+exec bash "$(dirname "${BASH_SOURCE[0]}")/../gpu_check/run.sh" "$@"

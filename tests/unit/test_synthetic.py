@@ -93,7 +93,7 @@ def test_the_benchmarks_themselves_build_the_old_tensors():
     assert trainer.trajectory(2048, 151936, 7) == old_trainer(2048, 151936, 7)
     frozen = _load(REPO / "benchmarks" / "frozen_stage_backward.py", "frozen_stage_backward_benchmark")
     assert [tuple(t) for t in frozen.trajectories()] == old_frozen(frozen.GAS, frozen.NUM_ROUNDS, frozen.VOCAB)
-    bls = _load(REPO / "benchmarks" / "gpu" / "bench_last_stage.py", "bench_last_stage_synthetic_check")
+    bls = _load(REPO / "gpu_check" / "bench_last_stage.py", "bench_last_stage_synthetic_check")
     old = old_last_stage(4096, prompt=512, action=256, observation=768, vocab=151936, seed=3)
     new = bls.synthetic_trajectory(4096, prompt=512, action=256, observation=768, vocab=151936, seed=3)
     assert all(torch.equal(a, b) for a, b in zip(old, new))

@@ -10,10 +10,10 @@ package). `load_cpu_op()` / `load_cuda_op()` build on first call and cache the m
 cache is $TORCH_EXTENSIONS_DIR, defaulted (only when unset) to <repo>/.torch_extensions/
 torch-<version> so that CPU and CUDA torch builds never share objects.
 
-Prebuilt objects (no JIT on a GPU machine): `bash benchmarks/gpu/prebuild.sh` compiles, here, the
+Prebuilt objects (no JIT on a GPU machine): `bash gpu_check/prebuild.sh` compiles, here, the
 kernels and the tensor-core probe for sm_80 + sm_90 into one C-ABI library (csrc/flashbob_capi.cpp,
 driven by capi.py through ctypes: independent of the torch and Python versions) and the emulated
-probe as a torch extension, into benchmarks/gpu/prebuilt/ (git-ignored) with a manifest.json
+probe as a torch extension, into gpu_check/prebuilt/ (git-ignored) with a manifest.json
 (architectures, sha256 of every csrc file; torch / Python for the torch extension). The loaders
 use a prebuilt module when its manifest matches the current sources, this GPU (and, for a torch
 extension, this torch and Python), else JIT-build as before; `load_info()` tells which path each op took, why, and
@@ -46,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 __all__ = ["FlashBoBCPUBuilder", "FlashBoBCUDABuilder", "FlashBoBCUDAEmuBuilder", "load_cpu_op",
            "load_cuda_op", "load_cuda_emu_op", "default_extensions_dir", "load_info", "load_with_prebuilt",
            "sources_digest", "DEFAULT_PREBUILT_DIR"]
-DEFAULT_PREBUILT_DIR = REPO_ROOT / "benchmarks" / "gpu" / "prebuilt"
+DEFAULT_PREBUILT_DIR = REPO_ROOT / "gpu_check" / "prebuilt"
 
 
 def default_extensions_dir() -> Path:
@@ -212,7 +212,7 @@ def prebuilt_mismatch(manifest: dict, name: str, *, torch_version: str, python: 
         if manifest.get("python") != python:
             return f"built for Python {manifest.get('python')}, this is Python {python}"
     if manifest.get("sources_sha256") != digest:
-        return "the kernel sources changed since the prebuild (rerun bash benchmarks/gpu/prebuild.sh)"
+        return "the kernel sources changed since the prebuild (rerun bash gpu_check/prebuild.sh)"
     if entry.get("gpu") and capability is not None:
         archs = [tuple(int(x) for x in a.split(".")) for a in manifest.get("arch_list", "").split(";") if a]
         # A cubin runs on its own major version at an equal or higher minor (sm_80 on sm_86/89);
@@ -234,7 +234,7 @@ def load_with_prebuilt(name: str, jit_load, *, gpu: bool, capi=None):
             manifest = json.loads((folder / "manifest.json").read_text())
         except (OSError, ValueError) as exc:
             manifest, reason = None, f"no usable {folder / 'manifest.json'} ({type(exc).__name__}); build one with " \
-                                     "bash benchmarks/gpu/prebuild.sh"
+                                     "bash gpu_check/prebuild.sh"
         if manifest is not None:
             cap = torch.cuda.get_device_capability() if gpu and torch.cuda.is_available() else None
             reason = "no CUDA GPU visible" if gpu and cap is None else prebuilt_mismatch(manifest, name, torch_version=torch.__version__,

@@ -1,11 +1,11 @@
 """The prebuilt FlashBoB kernels and tensor-core probe through their C ABI (ctypes): no JIT, any torch.
 
     from ds_ttt.ops.flashbob.capi import FlashBoBLib, ProbeLib
-    op = FlashBoBLib("benchmarks/gpu/prebuilt/libflashbob_cuda.so")   # .fwd / .bwd / .bwd_bwd
-    probe = ProbeLib("benchmarks/gpu/prebuilt/libflashbob_cuda.so")   # .run (as the probe binding)
+    op = FlashBoBLib("gpu_check/prebuilt/libflashbob_cuda.so")   # .fwd / .bwd / .bwd_bwd
+    probe = ProbeLib("gpu_check/prebuilt/libflashbob_cuda.so")   # .run (as the probe binding)
 
 csrc/flashbob_capi.cpp exports the launchers of flashbob_cuda_kernel.cu and mma_probe.cu with
-plain C types; benchmarks/gpu/prebuild_ops.py compiles it here with nvcc for sm_80 + sm_90 with
+plain C types; gpu_check/prebuild_ops.py compiles it here with nvcc for sm_80 + sm_90 with
 cudart linked statically (as NCCL does), so the library depends on no torch and no Python version
 and a GPU machine imports it instead of JIT-building the torch extension (builder.load_cuda_op
 picks it when its manifest matches the sources and the GPU). These classes do what the torch
@@ -46,7 +46,7 @@ class _Lib:
         version = lib.flashbob_capi_version()
         if version != CAPI_VERSION:
             raise ImportError(f"{self.path}: C ABI version {version}, this code needs {CAPI_VERSION}; rebuild it with "
-                              "bash benchmarks/gpu/prebuild.sh")
+                              "bash gpu_check/prebuild.sh")
         lib.flashbob_last_kernel.restype = ctypes.c_char_p
         lib.flashbob_error_string.restype = ctypes.c_char_p
         lib.flashbob_error_string.argtypes = [ctypes.c_int]

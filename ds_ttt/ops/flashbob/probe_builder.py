@@ -12,7 +12,7 @@ tests/unit/test_mma_emu.py checks the emulated instructions against plain matrix
 tests/ops/test_mma_probe_cuda.py runs both builds and requires identical per-lane registers.
 The GPU build reuses the FlashBoB CUDA builder's compatibility rules and nvcc flags, so it
 compiles for the same architectures (TORCH_CUDA_ARCH_LIST, or the visible GPU). Both loaders
-import the objects of benchmarks/gpu/prebuild.sh when they fit (builder.load_with_prebuilt).
+import the objects of gpu_check/prebuild.sh when they fit (builder.load_with_prebuilt).
 """
 
 from __future__ import annotations

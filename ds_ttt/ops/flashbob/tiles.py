@@ -12,7 +12,7 @@ stage BN, warps) per head dim; csrc/flashbob_cuda_kernel.cu defines them, and al
 into every build. By default the launchers take the set for the device: "sm90" (128-row blocks of
 8 warps) on compute capability 9.0 or later with 227 KB of shared memory per block, else "sm80"
 (64-row blocks of 4 warps, sized to the A100's 163 KB). The other sets exist for the tile-shape
-sweep of benchmarks/gpu/bench_flashbob_cuda.py and are built for bf16 at head dim 128 only.
+sweep of gpu_check/bench_flashbob_cuda.py and are built for bf16 at head dim 128 only.
 
 `op` is any build of the kernels: the CUDA extension, the prebuilt C-ABI library (capi.FlashBoBLib)
 or the CPU emulator (load_cuda_emu_op(), whose device is set with op.set_emulated_device). The

@@ -1,6 +1,6 @@
 """Result files of the GPU check: atomic JSON writes and the Markdown summary (stdlib only).
 
-Every phase of `benchmarks/gpu_check.sh` leaves one JSON file in the results folder
+Every phase of `gpu_check/run.sh` leaves one JSON file in the results folder
 (default benchmarks/results/gpu/):
 
     environment.json     GPU name, driver, Python / torch / CUDA / nvcc / deepspeed / flash-attn versions
@@ -24,7 +24,7 @@ A phase file has the shape
 and is rewritten after every measurement (write to a temporary file, then rename), so a phase
 that is killed at its time limit still leaves every row it finished.
 
-    python benchmarks/gpu/gpu_results.py DIR      # (re)render DIR/summary.md from DIR/*.json
+    python gpu_check/gpu_results.py DIR      # (re)render DIR/summary.md from DIR/*.json
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def render_summary(results_dir: str | os.PathLike) -> str:
     pb = read_json(d / "pipeline_balance_gpu.json")
     fails = failed_checks(d)
     lines = ["# GPU check results", ""]
-    lines.append(f"Written by `bash benchmarks/gpu_check.sh` (benchmarks/gpu/). Started {env.get('started', '?')}; "
+    lines.append(f"Written by `bash gpu_check/run.sh` (gpu_check/). Started {env.get('started', '?')}; "
                  f"total {_fmt(env.get('total_s'))} s.")
     lines.append("")
     verdict = env.get("verdict")
@@ -360,7 +360,7 @@ def write_summary(results_dir: str | os.PathLike) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python benchmarks/gpu/gpu_results.py RESULTS_DIR")
+        sys.exit("usage: python gpu_check/gpu_results.py RESULTS_DIR")
     print(write_summary(sys.argv[1]))
 
 

@@ -1,10 +1,10 @@
 """First contact with a GPU: the steps that say most about what is wrong, each in its own process.
 
-    python benchmarks/gpu/first_contact.py probe   --out probe.json
-    python benchmarks/gpu/first_contact.py kernels --launcher fwd|bwd|bwd_bwd|all --out k.json [--n 96]
+    python gpu_check/first_contact.py probe   --out probe.json
+    python gpu_check/first_contact.py kernels --launcher fwd|bwd|bwd_bwd|all --out k.json [--n 96]
                                                [--first-case-only]
 
-benchmarks/gpu/gpu_check.py runs these as its `probe`, `kernels` and `sanitizer` phases, in this
+gpu_check/gpu_check.py runs these as its `probe`, `kernels` and `sanitizer` phases, in this
 order and each in a fresh process, so an illegal address in one kernel (which poisons the CUDA
 context of its process) cannot hide the diagnosis of the next; every step writes its JSON before
 the next starts.
@@ -29,7 +29,7 @@ kernels  One launcher (fwd: fwd_kernel; bwd: bwd_row_kernel, bwd_col_kernel; bwd
          first kernel reported wrong is the one to fix.
 
 Exit 0 when everything matched, 1 otherwise (the JSON says what), 2 on bad arguments / no GPU.
-tests/unit/test_gpu_check.py runs both steps on the CPU with the emulated kernels as the
+gpu_check/tests/test_gpu_check.py runs both steps on the CPU with the emulated kernels as the
 "GPU", and with a deliberately corrupted output, to show what a failure report looks like.
 """
 
@@ -43,7 +43,7 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = HERE.parent
 for p in (str(HERE), str(REPO)):
     if p not in sys.path:
         sys.path.insert(0, p)

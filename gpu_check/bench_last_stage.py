@@ -1,6 +1,6 @@
 """One meta-training step of the last pipeline stage (the adaptive layers, final norm, LM head).
 
-    python benchmarks/gpu/bench_last_stage.py --out benchmarks/results/gpu/last_stage.json
+    python gpu_check/bench_last_stage.py --out benchmarks/results/gpu/last_stage.json
         [--contexts 2048,8192,16384] [--backends cuda,reference] [--repeats 2] [--budget-s 150]
         [--preset qwen3-8b] [--device cuda] [--dtype bf16]
 
@@ -23,7 +23,7 @@ gross-error tripwire. Out-of-memory is caught and recorded, and larger T are the
 backend. The JSON file is rewritten after every measurement.
 
 `last_stage_step` and `synthetic_trajectory` also run on CPU with a tiny config and the reference
-backend (tests/unit/test_gpu_check.py).
+backend (gpu_check/tests/test_gpu_check.py).
 
 Shape letters: T tokens, C hidden.
 """
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = HERE.parent
 for p in (str(HERE), str(REPO)):
     if p not in sys.path:
         sys.path.insert(0, p)

@@ -1,7 +1,7 @@
 """Compile the GPU check's extensions here (no GPU needed) so the device machine does no JIT.
 
-    .venv-cuda/bin/python benchmarks/gpu/prebuild_ops.py [--out benchmarks/gpu/prebuilt] [--log FILE]
-    # normally through: bash benchmarks/gpu/prebuild.sh   (sets up .venv-cuda and cuobjdump first)
+    .venv-cuda/bin/python gpu_check/prebuild_ops.py [--out gpu_check/prebuilt] [--log FILE]
+    # normally through: bash gpu_check/prebuild.sh   (sets up .venv-cuda and cuobjdump first)
 
 Needs CUDA_HOME with nvcc (the toolkit version the GPU machine has), cuobjdump (on PATH, under
 $CUDA_HOME/bin, or from the nvidia-cuda-cuobjdump wheel) and, for the emulated probe only, a torch
@@ -21,7 +21,7 @@ versions, arch list, nvcc flags, sha256 of every kernel source, seconds per modu
 resource_usage.txt, the output of `cuobjdump --dump-resource-usage` on the GPU library
 (registers, stack, local and static shared memory of every kernel per architecture). --log also
 copies that dump, with a header naming the build, to a file meant to be committed
-(benchmarks/gpu/logs/cuobjdump_resource_usage.txt), from which benchmarks/gpu/resource_table.py
+(gpu_check/logs/cuobjdump_resource_usage.txt), from which gpu_check/resource_table.py
 generates the table in docs/flashbob.md.
 
 On the GPU machine ds_ttt.ops.flashbob.builder.load_with_prebuilt imports these when the manifest
@@ -43,11 +43,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-DEFAULT_OUT = REPO / "benchmarks" / "gpu" / "prebuilt"
+DEFAULT_OUT = REPO / "gpu_check" / "prebuilt"
 
 
 def find_cuobjdump() -> str | None:
@@ -145,7 +145,7 @@ def dump_resource_usage(out: Path, manifest: dict) -> str:
     exe = find_cuobjdump()
     if exe is None:
         raise SystemExit("prebuild: no cuobjdump (not on PATH, not in $CUDA_HOME/bin, no nvidia-cuda-cuobjdump "
-                         "wheel): pip install nvidia-cuda-cuobjdump (bash benchmarks/gpu/prebuild.sh does)")
+                         "wheel): pip install nvidia-cuda-cuobjdump (bash gpu_check/prebuild.sh does)")
     parts = []
     files = list(dict.fromkeys(e["file"] for e in manifest["modules"].values() if e["gpu"]))
     for f in files:
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     if a.log:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True).stdout.strip()
-        header = [f"# cuobjdump --dump-resource-usage of the prebuilt GPU objects (benchmarks/gpu/prebuild.sh)",
+        header = [f"# cuobjdump --dump-resource-usage of the prebuilt GPU objects (gpu_check/prebuild.sh)",
                   f"# built {manifest['built_at']} at commit {commit} (sources sha256 {manifest['sources_sha256'][:16]})",
                   f"# nvcc {manifest['nvcc']}; cuobjdump {manifest['cuobjdump']}; archs {manifest['arch_list']}; "
                   f"nvcc -shared -cudart static of csrc/flashbob_cuda_kernel.cu, mma_probe.cu, flashbob_capi.cpp",

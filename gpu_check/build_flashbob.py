@@ -1,14 +1,14 @@
 """Load the FlashBoB CUDA op (prebuilt, else JIT through DeepSpeed); write what happened as JSON.
 
-    python benchmarks/gpu/build_flashbob.py --out /tmp/build.json
+    python gpu_check/build_flashbob.py --out /tmp/build.json
 
-Uses ds_ttt.ops.flashbob.builder.load_cuda_op: the objects of benchmarks/gpu/prebuild.sh when
+Uses ds_ttt.ops.flashbob.builder.load_cuda_op: the objects of gpu_check/prebuild.sh when
 their manifest fits this torch / Python / GPU and the current sources, otherwise a JIT build
 (FlashBoBCUDABuilder, with the environment the caller set: CUDA_HOME, TORCH_CUDA_ARCH_LIST,
 TORCH_EXTENSIONS_DIR, MAX_JOBS). The JSON records the path taken ("prebuilt" or "jit"), why the
 prebuilt objects were not used, the seconds, and for a JIT build the resource usage of its
 kernels when cuobjdump is on the machine (for prebuilt objects it is in the committed log
-benchmarks/gpu/logs/cuobjdump_resource_usage.txt). Exit 0 when the op loaded with its three
+gpu_check/logs/cuobjdump_resource_usage.txt). Exit 0 when the op loaded with its three
 entry points (fwd, bwd, bwd_bwd), 1 otherwise (the JSON then says why: the builder's
 incompatibility reason or the compiler's error).
 """
@@ -23,7 +23,7 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

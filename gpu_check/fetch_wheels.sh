@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Fill .whl/ with what a GPU machine without a package index lacks for benchmarks/gpu_check.sh.
+# Fill .whl/ with what a GPU machine without a package index lacks for gpu_check/run.sh.
 #
-#   bash benchmarks/gpu/fetch_wheels.sh [DEST] [PYTHON_VERSION]     # defaults: <repo>/.whl 3.12
+#   bash gpu_check/fetch_wheels.sh [DEST] [PYTHON_VERSION]     # defaults: <repo>/.whl 3.12
 #
 # Made for the device tool's H200 image (Python 3.12, CUDA torch, transformers, pytest, ninja,
 # numpy preinstalled; no network): it lacks deepspeed and deepspeed's hjson and pydantic (v2). deepspeed
@@ -12,7 +12,7 @@
 # gpu_check.sh installs from <repo>/.whl automatically (pip --no-index --find-links), only what is
 # missing there. .whl/ is git-ignored: name it in the device tool's `carry` (docs/gpu.md).
 set -euo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dest="${1:-$repo/.whl}"
 pyver="${2:-3.12}"
 py="${PYTHON:-$repo/.venv/bin/python}"

@@ -1,7 +1,7 @@
 """GPU check phase `balance`: each PP4 stage's module timed alone on the one GPU (stdlib only).
 
-    python benchmarks/gpu/bench_balance.py --out DIR/pipeline_balance_gpu.json [--budget-s 90]
-    (run by benchmarks/gpu_check.sh; needs a CUDA GPU)
+    python gpu_check/bench_balance.py --out DIR/pipeline_balance_gpu.json [--budget-s 90]
+    (run by gpu_check/run.sh; needs a CUDA GPU)
 
 Runs benchmarks/pipeline_balance.py --device cuda --preset qwen3-8b --tokens 8192 --dtype bf16
 --ttt attention_backend=cuda --layouts PP4xDP1 --global-batch 32 --repeats 2 --no-trainer (the real

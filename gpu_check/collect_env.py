@@ -1,11 +1,11 @@
 """Print the software and GPU facts of this Python environment as one JSON object.
 
-    python benchmarks/gpu/collect_env.py [--packages torch,deepspeed,...]
+    python gpu_check/collect_env.py [--packages torch,deepspeed,...]
 
 Keys: python, executable, in_venv, packages {name: version or null}, torch, torch_cuda,
 cuda_available, and when a GPU is visible: device_name, capability ("9.0"), memory_gib,
 multiprocessors. Never raises: a missing or broken torch shows up as null versions and
-`torch_error`. Used by benchmarks/gpu/gpu_check.py (before and after installing).
+`torch_error`. Used by gpu_check/gpu_check.py (before and after installing).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The GPU check: validate and measure the CUDA path in one unattended run (stdlib only).
 
-    bash benchmarks/gpu_check.sh [--out DIR] [--wheels DIR]
-                                 [--phases install,build,probe,kernels,sanitizer,tests,flashbob,last_stage,trainer,balance]
-                                 [--total-s 510] [--budget PHASE=SECONDS ...] [--quick] [--plan]
+    bash gpu_check/run.sh [--out DIR] [--wheels DIR]
+                          [--phases install,build,probe,kernels,sanitizer,tests,flashbob,last_stage,trainer,balance]
+                          [--total-s 510] [--budget PHASE=SECONDS ...] [--quick] [--plan]
 
-(benchmarks/gpu_check.sh runs this file with $PYTHON, default python3.) Phases, each in its own
+(gpu_check/run.sh runs this file with $PYTHON, default python3.) Phases, each in its own
 subprocess with its own time limit, so one slow phase cannot eat the whole window, ordered by
 what they tell: first the cheap diagnoses that pin a failure on one instruction or one kernel,
 each in a fresh process that writes its result before the next starts (a fault poisons only the
@@ -15,11 +15,11 @@ CUDA context of its own process), then tests, speed, the last stage and the trai
               with --wheels DIR only from that folder (machines without a package index), else from
               the index. flash-attn only as a ready wheel (DIR or the index), otherwise it is noted
               as missing and the benchmark uses PyTorch's own FlashAttention-2 kernel instead.
-  build       load the FlashBoB CUDA op (benchmarks/gpu/build_flashbob.py): the objects prebuilt on the
-              CPU machine (bash benchmarks/gpu/prebuild.sh; benchmarks/gpu/prebuilt/) when their
+  build       load the FlashBoB CUDA op (gpu_check/build_flashbob.py): the objects prebuilt on the
+              CPU machine (bash gpu_check/prebuild.sh; gpu_check/prebuilt/) when their
               manifest fits this torch/Python/GPU and the sources, else JIT through
               FlashBoBCUDABuilder; records which path, why, and how long it took.
-  probe       benchmarks/gpu/first_contact.py probe: ldmatrix / mma.sync / cp.async / packing on the
+  probe       gpu_check/first_contact.py probe: ldmatrix / mma.sync / cp.async / packing on the
               GPU against the PTX ISA tables, every lane of every case saved.
   kernels     first_contact.py kernels, once per launcher (fwd; bwd; bwd_bwd) in its own process
               under CUDA_LAUNCH_BLOCKING=1 at N = 96: the six kernels, each output against float64,
@@ -28,11 +28,11 @@ CUDA context of its own process), then tests, speed, the last stage and the trai
               (one shape), where the image has compute-sanitizer; otherwise a recorded skip.
   tests       python -m pytest tests/ops (the CUDA correctness tests); a test module that is
               skipped as a whole (or absent from the report) fails this phase.
-  flashbob    benchmarks/gpu/bench_flashbob_cuda.py: second-order step vs flash-attn vs PyTorch math.
-  last_stage  benchmarks/gpu/bench_last_stage.py: Qwen3-8B last-stage meta-training step, T = 2K/8K/16K.
-  trainer     benchmarks/gpu/bench_trainer.py: the real `deepspeed launch/train.py`, one stage, Qwen3-8B
+  flashbob    gpu_check/bench_flashbob_cuda.py: second-order step vs flash-attn vs PyTorch math.
+  last_stage  gpu_check/bench_last_stage.py: Qwen3-8B last-stage meta-training step, T = 2K/8K/16K.
+  trainer     gpu_check/bench_trainer.py: the real `deepspeed launch/train.py`, one stage, Qwen3-8B
               shape (36 layers or the most that fit), T = 8K then 4K, AdamW steps, save and --resume.
-  balance     benchmarks/gpu/bench_balance.py: pipeline_balance.py --device cuda, each PP4 stage timed.
+  balance     gpu_check/bench_balance.py: pipeline_balance.py --device cuda, each PP4 stage timed.
 
 Results: DIR (default benchmarks/results/gpu) gets environment.json, setup.json (install, build,
 probe, kernels, sanitizer, tests: the first contact), flashbob_cuda.json, last_stage.json,
@@ -68,7 +68,7 @@ if sys.version_info < (3, 10):
     sys.exit(f"gpu_check: needs Python >= 3.10, this is {sys.version.split()[0]} ({sys.executable})")
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = HERE.parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
@@ -86,7 +86,7 @@ MINIMUMS = {"install": 20.0, "build": 30.0, "probe": 15.0, "kernels": 30.0, "san
 FIRST_CONTACT = ("probe", "kernels", "sanitizer")  # need the op (or the probe) and a GPU, write setup.json
 LAUNCHERS = ("fwd", "bwd", "bwd_bwd")
 # The kernels each launcher enqueues, in order (first_contact.KERNEL_OUTPUTS, which needs torch;
-# this file is stdlib only; tests/unit/test_gpu_check.py keeps the two equal).
+# this file is stdlib only; gpu_check/tests/test_gpu_check.py keeps the two equal).
 LAUNCHER_KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("bwd_row_kernel", "bwd_col_kernel"),
                     "bwd_bwd": ("bob_stats_kernel", "bob_row_kernel", "bob_col_kernel")}
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
@@ -131,7 +131,7 @@ def _budget(text: str) -> tuple[str, float]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="bash benchmarks/gpu_check.sh", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="bash gpu_check/run.sh", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Docs: docs/gpu.md")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="results folder (default %(default)s)")
@@ -698,7 +698,7 @@ def write_environment(ctx: Context, gpu: dict, started: str, extra: dict) -> Non
     commit, dirty = git_state()
     pk = info.get("packages") or {}
     write_json_atomic(ctx.out / "environment.json", {
-        "started": started, "command": "bash benchmarks/gpu_check.sh " + " ".join(ctx.args.argv),
+        "started": started, "command": "bash gpu_check/run.sh " + " ".join(ctx.args.argv),
         "gpu": {"name": info.get("device_name") or gpu.get("name"), "driver": gpu.get("driver"),
                 "capability": info.get("capability"), "memory_gib": info.get("memory_gib") or gpu.get("memory_gib"),
                 "multiprocessors": info.get("multiprocessors"), "count": gpu.get("count")},

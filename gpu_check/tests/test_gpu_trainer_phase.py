@@ -3,7 +3,7 @@ search against a fake launcher that runs out of memory above N layers, the metri
 the resume comparison, the memory split against a real meta-device model, the time-budget skips
 (inside the phase and in the runner), and pipeline_balance.py accepting the balance phase's flags.
 
-    .venv/bin/python -m pytest tests/unit/test_gpu_trainer_phase.py -q
+    .venv/bin/python -m pytest gpu_check/tests/test_gpu_trainer_phase.py -q
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-GPU_DIR = REPO / "benchmarks" / "gpu"
+GPU_DIR = REPO / "gpu_check"
 sys.path.insert(0, str(GPU_DIR))
 
 import bench_balance  # noqa: E402

@@ -1,6 +1,6 @@
 """FlashBoB on CUDA: the exact second-order attention step next to flash-attn and PyTorch math.
 
-    python benchmarks/gpu/bench_flashbob_cuda.py --out benchmarks/results/gpu/flashbob_cuda.json
+    python gpu_check/bench_flashbob_cuda.py --out benchmarks/results/gpu/flashbob_cuda.json
         [--sizes 1024,2048,4096,8192,16384,32768] [--budget-s 90] [--no-flashbob] [--check-n 1024]
         [--profile-n 8192] [--sweep-share 0.3]
 
@@ -48,7 +48,7 @@ step on the same inputs; the relative error ‖x − x_fp32‖ / ‖x_fp32‖ mu
 tripwire for gross errors (the bf16 math step's own error is recorded beside it; the accuracy
 rule lives in tests/ops/test_flashbob_cuda.py).
 
-The step functions take any device and attention callable, so tests/unit/test_gpu_check.py runs
+The step functions take any device and attention callable, so gpu_check/tests/test_gpu_check.py runs
 them on CPU with tiny shapes (reference backend vs PyTorch math).
 """
 
@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = HERE.parent
 for p in (str(HERE), str(REPO)):
     if p not in sys.path:
         sys.path.insert(0, p)
@@ -78,7 +78,7 @@ FLOP_MODEL = ("per query head: fwd 4·N²·D, bwd 10·N²·D, bwd-over-bwd 36·N
               "bob step = fwd + bwd + bwd-over-bwd = 50·N²·D, fwd+bwd = 14·N²·D")
 OUTPUT_NAMES = ("o", "q_bar", "k_bar", "v_bar", "do_bar")
 # GEMMs per (row block, column tile) pair that each kernel issues with all three tangents nonzero
-# (flashbob_cuda_kernel.cu header; tests/unit/test_gpu_check.py ties the two together).
+# (flashbob_cuda_kernel.cu header; gpu_check/tests/test_gpu_check.py ties the two together).
 KERNEL_GEMMS = {"fwd_kernel": 2, "bwd_row_kernel": 3, "bwd_col_kernel": 4, "bob_stats_kernel": 7,
                 "bob_row_kernel": 7, "bob_col_kernel": 8}
 USEFUL_PER_STEP = 4 + 10 + 36  # ·N²·D per query head

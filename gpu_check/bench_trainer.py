@@ -1,7 +1,7 @@
 """GPU check phase `trainer`: the real `deepspeed launch/train.py` on one GPU, end to end (stdlib only).
 
-    python benchmarks/gpu/bench_trainer.py --out DIR/trainer.json [--budget-s 240] [--contexts 8192,4096]
-    (run by benchmarks/gpu_check.sh; needs a CUDA GPU, deepspeed and the built FlashBoB CUDA op)
+    python gpu_check/bench_trainer.py --out DIR/trainer.json [--budget-s 240] [--contexts 8192,4096]
+    (run by gpu_check/run.sh; needs a CUDA GPU, deepspeed and the built FlashBoB CUDA op)
 
 One pipeline stage (world size 1; the lent machine has one GPU), bf16, ZeRO-1, AdamW, the DeepSpeed
 and run configs generated into a temp dir; a Qwen3-8B-shaped backbone with random bf16 weights (the
@@ -14,7 +14,7 @@ rounds of following sessions into each so that it holds about FILL x capacity to
 Per context (the first listed is the largest and does the layer fit and the resume check):
   layer fit  36 layers first; on a CUDA out-of-memory the next smaller count of LAYER_CANDIDATES, until
              one fits (every attempt is recorded). Fewer than 36 layers run through
-             benchmarks/gpu/train_layers.py, which registers a `qwen3-8b-<N>l` preset and then runs
+             gpu_check/train_layers.py, which registers a `qwen3-8b-<N>l` preset and then runs
              launch/train.py unchanged.
   run A      STEPS AdamW steps, one checkpoint at the end (the measurement); then its folder is removed.
   resume     run R: STEPS steps with checkpoints at RESUME_FROM and STEPS; then `--resume R/step_<RESUME_FROM>`

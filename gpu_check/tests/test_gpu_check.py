@@ -2,12 +2,12 @@
 process-group timeouts that keep partial results, the result writer and summary, and the
 benchmark step functions on tiny CPU shapes (reference backend vs PyTorch math; the last-stage
 meta-training step with the reference backend). The first contact (probe, kernels alone,
-sanitizer; benchmarks/gpu/first_contact.py) runs on the CPU emulator's builds as the "GPU", also
+sanitizer; gpu_check/first_contact.py) runs on the CPU emulator's builds as the "GPU", also
 with a corrupted lane / element / a fault, and its phases with fake child processes; the tests
 phase must fail on a module skipped as a whole; the per-kernel profiler accounting, the FLOP
 counts and the resource-usage table generated from the committed cuobjdump log are checked here.
 
-    .venv/bin/python -m pytest tests/unit/test_gpu_check.py -q
+    .venv/bin/python -m pytest gpu_check/tests/test_gpu_check.py -q
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-GPU_DIR = REPO / "benchmarks" / "gpu"
+GPU_DIR = REPO / "gpu_check"
 sys.path.insert(0, str(GPU_DIR))
 
 import bench_flashbob_cuda as bfc  # noqa: E402
@@ -48,7 +48,7 @@ def _env_without_gpu_tools() -> dict:
 @NO_CUDA
 def test_refuses_cleanly_without_cuda_and_writes_nothing(tmp_path):
     out = tmp_path / "results"
-    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--out", str(out)], cwd=REPO, capture_output=True,
+    r = subprocess.run(["bash", "gpu_check/run.sh", "--out", str(out)], cwd=REPO, capture_output=True,
                        text=True, env=_env_without_gpu_tools(), timeout=120)
     assert r.returncode == 2, r.stderr
     assert "refused" in r.stderr and "no CUDA GPU" in r.stderr and "nothing was run or written" in r.stderr
@@ -56,28 +56,39 @@ def test_refuses_cleanly_without_cuda_and_writes_nothing(tmp_path):
     # An earlier run's results in the folder stay untouched by a refused run.
     out.mkdir()
     (out / "summary.md").write_text("earlier run\n")
-    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--out", str(out), "--quick"], cwd=REPO,
+    r = subprocess.run(["bash", "gpu_check/run.sh", "--out", str(out), "--quick"], cwd=REPO,
                        capture_output=True, text=True, env=_env_without_gpu_tools(), timeout=120)
     assert r.returncode == 2
     assert [p.name for p in out.iterdir()] == ["summary.md"] and (out / "summary.md").read_text() == "earlier run\n"
 
 
 def test_refuses_without_python_interpreter(tmp_path):
-    r = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO, capture_output=True, text=True,
+    r = subprocess.run(["bash", "gpu_check/run.sh"], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "PYTHON": "no-such-python-3.11"}, timeout=30)
     assert r.returncode == 2 and "no Python interpreter" in r.stderr
 
 
 def test_plan_and_help_need_no_gpu():
-    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--plan", "--total-s", "300", "--budget", "build=100"],
+    r = subprocess.run(["bash", "gpu_check/run.sh", "--plan", "--total-s", "300", "--budget", "build=100"],
                        cwd=REPO, capture_output=True, text=True, env=_env_without_gpu_tools(), timeout=60)
     assert r.returncode == 0, r.stderr
     for phase in gpu_check.PHASES:
         assert phase in r.stdout
     assert "build       limit   100 s" in r.stdout and "300 s" in r.stdout
-    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--help"], cwd=REPO, capture_output=True, text=True,
+    r = subprocess.run(["bash", "gpu_check/run.sh", "--help"], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "--wheels" in r.stdout and "--quick" in r.stdout
+
+
+def test_the_old_command_forwards_to_the_check():
+    """`bash benchmarks/gpu_check.sh` (the command the team brief names) runs gpu_check/run.sh, from any cwd."""
+    argv = ["--plan", "--total-s", "300"]
+    new = subprocess.run(["bash", "gpu_check/run.sh", *argv], cwd=REPO, capture_output=True, text=True,
+                         env=_env_without_gpu_tools(), timeout=60)
+    old = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), *argv], cwd="/", capture_output=True,
+                         text=True, env=_env_without_gpu_tools(), timeout=60)
+    assert old.returncode == new.returncode == 0, old.stderr
+    assert old.stdout == new.stdout and "phase" in old.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -802,7 +813,7 @@ def test_resource_table_parses_cuobjdump():
 
 
 def test_docs_table_is_the_one_generated_from_the_committed_log():
-    log = REPO / "benchmarks/gpu/logs/cuobjdump_resource_usage.txt"
+    log = REPO / "gpu_check/logs/cuobjdump_resource_usage.txt"
     doc = (REPO / "docs/flashbob.md").read_text()
     usage = rt.parse(log.read_text())
     compiled = {k: v for k, v in usage.items() if not v["stub"]}
@@ -810,7 +821,7 @@ def test_docs_table_is_the_one_generated_from_the_committed_log():
         have = {k[1:4] for k in compiled if k[0] == arch}
         assert have == {(f, dt, D) for f in rt.FAMILIES for dt in ("bf16", "fp16") for D in (64, 128)}, arch
     assert rt.replace_block(doc, rt.render(log.read_text())) == doc, \
-        "docs/flashbob.md is stale: python benchmarks/gpu/resource_table.py --write docs/flashbob.md"
+        "docs/flashbob.md is stale: python gpu_check/resource_table.py --write docs/flashbob.md"
 
 
 def test_no_kernel_of_the_prebuilt_library_spills():
@@ -818,7 +829,7 @@ def test_no_kernel_of_the_prebuilt_library_spills():
     column pass 24 B): local memory in the hottest loops. The committed log of the shipped objects
     must show none for any kernel compiled for real, on either architecture, with every tile set's
     shapes there (the sm90 set's 8-warp blocks on sm_90)."""
-    usage = rt.parse((REPO / "benchmarks/gpu/logs/cuobjdump_resource_usage.txt").read_text())
+    usage = rt.parse((REPO / "gpu_check/logs/cuobjdump_resource_usage.txt").read_text())
     compiled = {k: v for k, v in usage.items() if not v["stub"]}
     spills = {k: (v["STACK"], v["LOCAL"]) for k, v in compiled.items() if v["STACK"] or v["LOCAL"]}
     assert not spills, spills

@@ -1,11 +1,11 @@
 """launch/train.py with a Qwen3-8B-shaped backbone of fewer layers (the GPU check's layer fit).
 
-    deepspeed --num_gpus 1 benchmarks/gpu/train_layers.py --layers 24 --run_config RUN.json ...
+    deepspeed --num_gpus 1 gpu_check/train_layers.py --layers 24 --run_config RUN.json ...
 
 Registers the backbone preset `qwen3-8b-<N>l` (ds_ttt.model.presets.qwen3_8b_config with
 num_hidden_layers=N; everything else is Qwen3-8B's shape) in this process, then runs launch/train.py
 unchanged with the remaining arguments. The run config must name that preset. Used by
-benchmarks/gpu/bench_trainer.py only when the full 36 layers do not fit on the one lent GPU.
+gpu_check/bench_trainer.py only when the full 36 layers do not fit on the one lent GPU.
 """
 
 import runpy
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ds_ttt.model import presets
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def register(layers: int) -> str:

@@ -49,13 +49,16 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, on_save_phase=None) -> int:
+    """`on_save_phase(phase, path)`: called at each phase of every checkpoint save (fault injection:
+    tests/e2e/fault_injection.py)."""
     args = parse_args(argv)
     overrides = {k: getattr(args, k) for k in ("data", "output", "max_steps", "stop_at_step", "preset", "model",
                                                "epochs", "seed", "save_interval", "wandb")}
     base = None
     if args.resume:  # resume continues the checkpoint's run (its config, data and RUN_DIR) unless overridden
-        from ds_ttt.train.checkpoint import RunInfo, resolve_checkpoint
+        from ds_ttt.train.checkpoint import resolve_checkpoint
+        from ds_ttt.train.run_record import RunInfo
         base = RunInfo.read(resolve_checkpoint(args.resume)).run
     try:
         run = load_run_config(args.run_config, overrides, parse_ttt_overrides(args.ttt), base=base)
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     from ds_ttt.train.engine import train
     try:
-        train(run, ds, resume=args.resume, start_stage_from=args.start_stage_from)
+        train(run, ds, resume=args.resume, start_stage_from=args.start_stage_from, on_save_phase=on_save_phase)
     except (ValueError, FileNotFoundError) as e:  # config and checkpoint errors: one clear line (key, file, fix)
         if torch.distributed.get_rank() == 0:
             print(f"launch/train.py: error: {e}", file=sys.stderr)

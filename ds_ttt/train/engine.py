@@ -17,7 +17,6 @@ At startup every rank checks that RUN_DIR is one shared filesystem (ds_ttt/train
 
 from __future__ import annotations
 
-import json
 import pathlib
 import time
 
@@ -31,12 +30,14 @@ from ds_ttt.model.hf_adapter import checkpoint_shards, copy_checked, is_prime_pa
 from ds_ttt.model.presets import backbone_config
 from ds_ttt.model.qwen3 import aliases
 from ds_ttt.train import checkpoint as ckpt
+from ds_ttt.train.atomic_io import write_json_atomic
 from ds_ttt.train.data_loader import TrajectoryBatches, collate, samples_from_manifest
 from ds_ttt.train.deepspeed_config import batch_sizes, validate_deepspeed
 from ds_ttt.train.logging import MetricsLogger, peak_memory_bytes
 from ds_ttt.train.objective import StepObjective
 from ds_ttt.train.pipeline import STAT_KEYS, TTTPipelineModule
 from ds_ttt.train.run_config import RunConfig
+from ds_ttt.train.run_record import RUN_CONFIG, RunInfo, manifest_tokenizer, resolved_config
 from ds_ttt.train.schedule import Plan, make_plan, resolved_deepspeed, start_schedule
 from ds_ttt.train.shared_output import check_shared_output
 
@@ -90,7 +91,7 @@ def load_hf_weights(wanted: dict[str, torch.Tensor], model_dir: str, config) -> 
         raise KeyError(f"{model_dir}: checkpoint lacks backbone tensors {missing[:5]}")
 
 
-def check_same_model(run: RunConfig, info: ckpt.RunInfo, backbone) -> None:
+def check_same_model(run: RunConfig, info: RunInfo, backbone) -> None:
     if backbone.to_dict() != info.backbone_config().to_dict():
         raise ValueError(f"{info.checkpoint}: the backbone differs from this launch's (--preset/--model); "
                          f"use the checkpoint's model source {info.model_source}")
@@ -101,32 +102,25 @@ def check_same_model(run: RunConfig, info: ckpt.RunInfo, backbone) -> None:
                              f"{saved!r}; keep it the same to continue from that checkpoint")
 
 
-def saved_data_order(info: ckpt.RunInfo) -> dict:
+def saved_data_order(info: RunInfo) -> dict:
     """The batch layout a checkpoint was trained with (older checkpoints: from their DeepSpeed config)."""
     if info.raw.get("data_order"):
         return info.raw["data_order"]
     ds = info.deepspeed
     train, micro, gas = (ds.get(k) for k in DATA_ORDER_KEYS[:3])
     if None in (train, micro, gas):
-        raise ValueError(f"{info.checkpoint / ckpt.RUN_CONFIG} records no complete batch layout (train_batch_size, "
+        raise ValueError(f"{info.checkpoint / RUN_CONFIG} records no complete batch layout (train_batch_size, "
                          "train_micro_batch_size_per_gpu, gradient_accumulation_steps), so a resume cannot be "
                          "checked to reproduce the run: begin a new data stage with --start-stage-from instead")
     return {"train_batch_size": train, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
             "data_parallel_size": train // (micro * gas)}
 
 
-def manifest_tokenizer(manifest) -> dict:
-    """The record of the tokenizer a run trains with: the manifest's tokenizer folder and the sha256 of
-    its tokenizer.json (verified when the manifest was loaded)."""
-    tok = manifest.data["tokenizer"]
-    return {"dir": str((manifest.dir / tok["dir"]).resolve()), "sha256": tok["hash"]}
-
-
-def check_reproducible(info: ckpt.RunInfo, data_order: dict, layout) -> None:
+def check_reproducible(info: RunInfo, data_order: dict, layout) -> None:
     """--resume continues exactly or not at all: the batch layout (which trajectories form each
     micro-batch and each rank's share) and the pipeline (stages, partition) must be the checkpoint's."""
     saved = saved_data_order(info)
-    where = info.checkpoint / ckpt.RUN_CONFIG
+    where = info.checkpoint / RUN_CONFIG
     for key in DATA_ORDER_KEYS:
         if saved[key] != data_order[key]:
             what = ("launch with world size = pipeline.stages x " + str(saved[key])) if key == "data_parallel_size" \
@@ -134,7 +128,7 @@ def check_reproducible(info: ckpt.RunInfo, data_order: dict, layout) -> None:
             raise ValueError(f"--resume: {key} is {data_order[key]} now but {saved[key]} in {where}; it changes the "
                              f"data order, so the run cannot continue exactly: {what}, or begin a new data stage "
                              "with --start-stage-from")
-    saved_layout = ckpt.layout_from_info(info)
+    saved_layout = info.pipeline_layout()
     for key, old, new in (("pipeline.stages", saved_layout.num_stages, layout.num_stages),
                           ("partition", list(saved_layout.prefix_per_stage), list(layout.prefix_per_stage))):
         if old != new:
@@ -144,7 +138,7 @@ def check_reproducible(info: ckpt.RunInfo, data_order: dict, layout) -> None:
                              f"belong to that layout: {fix}, or begin a new data stage with --start-stage-from")
 
 
-def resume_cursor(client: dict, info: ckpt.RunInfo, steps_per_epoch: int, train_batch_size: int) -> int:
+def resume_cursor(client: dict, info: RunInfo, steps_per_epoch: int, train_batch_size: int) -> int:
     """The stage step to continue from, read from the saved sample cursor and checked against the
     step counts (a cursor that disagrees means the checkpoint cannot be continued exactly)."""
     cursor, stage_step = client.get("cursor"), client["stage_step"]
@@ -203,7 +197,7 @@ def gather_stats(module: TTTPipelineModule, peak: int) -> dict:
 def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_from: str | None = None,
           on_save_phase=None) -> pathlib.Path:
     """Train on the current process group (deepspeed.init_distributed already called). Returns RUN_DIR.
-    `on_save_phase(phase, path)`: fault-injection hook of every save (ds_ttt/train/checkpoint.py)."""
+    `on_save_phase(phase, path)`: called at each phase of every save (fault injection, ds_ttt/train/checkpoint.py)."""
     if resume and start_stage_from:
         raise ValueError("--resume and --start-stage-from are exclusive (resume continues a stage; "
                          "--start-stage-from begins a new one)")
@@ -219,12 +213,12 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
     retained = sum(manifest.retained_rounds("train").values())
     run_dir = pathlib.Path(run.output)
     source = resume or start_stage_from
-    info = ckpt.RunInfo.read(ckpt.resolve_checkpoint(source)) if source else None
+    info = RunInfo.read(ckpt.resolve_checkpoint(source)) if source else None
     history: list[dict] = []
     data_stage, stage_start_step = 0, 0
     if info is not None:
         check_same_model(run, info, backbone)
-        history = json.loads((info.checkpoint / ckpt.DATA_IDS).read_text())["stages"]
+        history = info.stage_history()
     if resume:
         if manifest.sha256 != info.manifest_sha256:
             raise ValueError(f"--resume: {run.data} (sha256 {manifest.sha256[:12]}…) is not the manifest of "
@@ -236,7 +230,7 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
         plan = Plan(**info.plan)
         if run.max_steps is not None and run.max_steps != plan.planned_steps:
             raise ValueError(f"--max_steps {run.max_steps} differs from the plan fixed at the first launch "
-                             f"({plan.planned_steps} steps, {info.checkpoint / ckpt.RUN_CONFIG}); the plan never "
+                             f"({plan.planned_steps} steps, {info.checkpoint / RUN_CONFIG}); the plan never "
                              "changes on resume: omit --max_steps or pass the same value")
         check_reproducible(info, data_order, layout)
         data_stage, stage_start_step = info.raw["data_stage"], info.raw["stage_start_step"]
@@ -254,7 +248,7 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
                           "sha256": manifest.sha256, "train": sorted(manifest.ids("train")),
                           "test": sorted(manifest.ids("test"))}]
     ds_resolved = resolved_deepspeed(ds, plan)
-    resolved = ckpt.resolved_config(run=run, backbone=backbone, ds=ds_resolved, plan=plan, layout=layout,
+    resolved = resolved_config(run=run, backbone=backbone, ds=ds_resolved, plan=plan, layout=layout,
                                manifest_path=run.data, manifest_sha256=manifest.sha256, data_stage=data_stage,
                                stage_start_step=stage_start_step, history=[
                                    {k: h[k] for k in ("data_stage", "manifest", "sha256")} for h in history],
@@ -289,7 +283,7 @@ def train(run: RunConfig, ds: dict, *, resume: str | None = None, start_stage_fr
 
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.write_json_atomic(run_dir / ckpt.RUN_CONFIG, resolved)
+        write_json_atomic(run_dir / RUN_CONFIG, resolved)
     dist.barrier()
     data_iter = batches.iterate(stage_step) if loads_data else None
     target = run.stop_at_step or plan.planned_steps

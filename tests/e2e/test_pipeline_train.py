@@ -1,11 +1,11 @@
 """launch/train.py end to end on 4 CPU ranks (tiny preset, generated real-shell data):
 
   A  fresh run with the deepspeed launcher (README command), 4 steps, checkpoints at 2 and 4;
-  B  --resume A/step_2, SIGKILLed (every rank and the launcher) in its re-save of step 4, the step
-     `latest` names, after the new folder is renamed and before `latest` switches: `latest` still
-     names A's complete step 4; then --resume A/step_2 again (a second resume from the same
-     checkpoint): steps 3-4 give exactly A's losses (fp32), the schedule is not restarted, and
-     metrics.jsonl holds every step once; all of it loaded with weights_only=True;
+  B  --resume A/step_2, SIGKILLed (every rank and the launcher, by tests/e2e/fault_injection.py) in its
+     re-save of step 4, the step `latest` names, after the new folder is renamed and before `latest`
+     switches: `latest` still names A's complete step 4; then --resume A/step_2 again (a second resume
+     from the same checkpoint): steps 3-4 give exactly A's losses (fp32), the schedule is not
+     restarted, and metrics.jsonl holds every step once; all of it loaded with weights_only=True;
   C  --start-stage-from A with a new manifest: cumulative steps continue (5..), the schedule restarts
      (lr 0 at the new stage's first step), data stage 1, new RUN_DIR; held-out ids are tracked;
   D  --resume with another train_batch_size / gradient accumulation: refused in one line (exit 2).
@@ -27,7 +27,9 @@ import sys
 import pytest
 import torch
 
-from ds_ttt.train.checkpoint import KILL_ENV, resolve_checkpoint
+from ds_ttt.train.checkpoint import resolve_checkpoint
+from ds_ttt.train.reassembly import load_model_from_checkpoint
+from ds_ttt.train.run_record import RunInfo
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent
@@ -61,19 +63,18 @@ def make_data(out: pathlib.Path, seed: int) -> pathlib.Path:
 
 def launch(args: list[str], cfg_dir: pathlib.Path, *, deepspeed_launcher: bool = False, kill_at: str | None = None,
            ds_file: str = "ds.json", want_rc: int = 0) -> str:
-    """Run launch/train.py on 4 CPU ranks in its own session; `kill_at` (DS_TTT_KILL_AT_SAVE) makes rank
-    0 SIGKILL the whole launch at one phase of a save. Returns stderr."""
+    """Run launch/train.py on 4 CPU ranks in its own session; `kill_at` (PHASE@STEP) runs it through
+    tests/e2e/fault_injection.py, whose rank 0 SIGKILLs the whole launch at that phase of a save.
+    Returns stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline"}
-    env.pop(KILL_ENV, None)
-    if kill_at:
-        env[KILL_ENV] = kill_at
     port = str(free_port())
     if deepspeed_launcher:
         head = [str(BIN / "deepspeed"), "--num_gpus", "4", "--master_port", port]
     else:
         head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", port]
-    cmd = head + ["launch/train.py", "--deepspeed_config", str(cfg_dir / ds_file),
-                  "--run_config", str(cfg_dir / "run.json")] + args
+    script = ["tests/e2e/fault_injection.py", "--kill-at", kill_at] if kill_at else ["launch/train.py"]
+    cmd = head + script + ["--deepspeed_config", str(cfg_dir / ds_file),
+                           "--run_config", str(cfg_dir / "run.json")] + args
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -180,7 +181,6 @@ def test_stage_transition(runs):
     assert [r["step"] for r in stage2] == [5, 6, 7] and [r["stage_step"] for r in stage2] == [1, 2, 3]
     assert all(r["data_stage"] == 1 for r in stage2)
     assert stage2[0]["lr"] == 0.0  # the new stage's schedule starts over
-    from ds_ttt.train.checkpoint import RunInfo, resolve_checkpoint
     info = RunInfo.read(resolve_checkpoint(runs["C"]))
     assert info.step == 7 and info.raw["data_stage"] == 1 and info.raw["stage_start_step"] == 4
     ids = json.loads((info.checkpoint / "data_ids.json").read_text())["stages"]
@@ -188,8 +188,6 @@ def test_stage_transition(runs):
 
 
 def test_load_model_from_real_checkpoint(runs):
-    from ds_ttt.train.checkpoint import load_model_from_checkpoint
-
     model, info = load_model_from_checkpoint(runs["A"])
     assert info.step == 4 and info.model_source == {"preset": "tiny"} and info.plan["planned_steps"] == 4
     # trained prime down projections moved away from their zero init; frozen backbone unchanged by scope

@@ -18,6 +18,7 @@ from ds_ttt.train import checkpoint as ck
 from ds_ttt.train.engine import DATA_ORDER_KEYS, check_reproducible, resume_cursor
 from ds_ttt.train.layout import resolve_layout
 from ds_ttt.train.run_config import RunConfig
+from ds_ttt.train.run_record import RUN_CONFIG, RunInfo, resolved_config
 
 TTT = TTTConfig(adaptive_layers=2)
 SAVED_ORDER = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -28,14 +29,14 @@ def saved_info(tmp_path, *, step=6, stage_start_step=0, data_order=SAVED_ORDER, 
     backbone = backbone_config("tiny")
     layout = resolve_layout(2, backbone.num_hidden_layers, TTT)
     run = RunConfig(data="x/manifest.json", output=str(tmp_path), ttt=TTT)
-    res = ck.resolved_config(run=run, backbone=backbone, ds=ds or {"pipeline": {"stages": 2}}, plan=None,
-                             layout=layout, manifest_path="x/manifest.json", manifest_sha256="abc",
-                             stage_start_step=stage_start_step, data_order=data_order)
+    res = resolved_config(run=run, backbone=backbone, ds=ds or {"pipeline": {"stages": 2}}, plan=None,
+                          layout=layout, manifest_path="x/manifest.json", manifest_sha256="abc",
+                          stage_start_step=stage_start_step, data_order=data_order)
     d = tmp_path / ck.tag_for(step)
     d.mkdir()
-    (d / ck.RUN_CONFIG).write_text(json.dumps({**res, "step": step}))
+    (d / RUN_CONFIG).write_text(json.dumps({**res, "step": step}))
     (d / ck.COMPLETE).write_text("")
-    return ck.RunInfo.read(d), backbone.num_hidden_layers
+    return RunInfo.read(d), backbone.num_hidden_layers
 
 
 def test_unchanged_layout_resumes(tmp_path):
@@ -55,7 +56,7 @@ def test_changed_data_order_is_refused(tmp_path, key, new, fix):
         check_reproducible(info, {**SAVED_ORDER, key: new}, resolve_layout(2, num_layers, TTT))
     msg = str(e.value)
     assert "\n" not in msg
-    assert f"--resume: {key} is {new} now but {SAVED_ORDER[key]} in {info.checkpoint / ck.RUN_CONFIG}" in msg
+    assert f"--resume: {key} is {new} now but {SAVED_ORDER[key]} in {info.checkpoint / RUN_CONFIG}" in msg
     assert fix in msg and "--start-stage-from" in msg
 
 
@@ -68,10 +69,10 @@ def test_changed_pipeline_stages_are_refused(tmp_path):
 def test_changed_partition_is_refused(tmp_path):
     n = backbone_config("tiny").num_hidden_layers  # 8: 6 non-adaptive layers over 3 non-last stages
     info, _ = saved_info(tmp_path)
-    raw = json.loads((info.checkpoint / ck.RUN_CONFIG).read_text())
+    raw = json.loads((info.checkpoint / RUN_CONFIG).read_text())
     raw["layout"] = resolve_layout(4, n, TTT).to_dict()  # saved: 4 stages, default partition [2, 2, 2]
-    (info.checkpoint / ck.RUN_CONFIG).write_text(json.dumps(raw))
-    info = ck.RunInfo.read(info.checkpoint)
+    (info.checkpoint / RUN_CONFIG).write_text(json.dumps(raw))
+    info = RunInfo.read(info.checkpoint)
     check_reproducible(info, dict(SAVED_ORDER), resolve_layout(4, n, TTT, partition=[2, 2, 2]))
     with pytest.raises(ValueError, match=r"--resume: partition is \[3, 2, 1\] now but \[2, 2, 2\] in .*"
                                          r"set partition=\[2, 2, 2\] in the run config"):

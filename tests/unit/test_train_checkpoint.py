@@ -22,6 +22,8 @@ import torch
 from ds_ttt.train import checkpoint as ck
 from ds_ttt.train.checkpoint import resolve_checkpoint
 from ds_ttt.train.data_loader import Sample, TrajectoryBatches, collate
+from ds_ttt.train.rng_state import capture_rng_state, load_rng_state, restore_rng_state
+from ds_ttt.train.run_record import RUN_FORMAT
 
 class FakeEngine:
     """Writes what a DeepSpeed pipeline save writes, file by file; `die_after_files` SIGKILLs the process
@@ -43,7 +45,7 @@ class FakeEngine:
 
 def save(run_dir, step, version, *, engine=None, on_phase=None):
     return ck.save_checkpoint(engine or FakeEngine(), run_dir, step, {"step": step, "version": version},
-                              {"format": ck.RUN_FORMAT}, {"stages": []}, rank=0, barrier=lambda: None,
+                              {"format": RUN_FORMAT}, {"stages": []}, rank=0, barrier=lambda: None,
                               on_phase=on_phase)
 
 
@@ -109,22 +111,22 @@ def test_kill_at_every_save_phase_keeps_latest_complete(tmp_path, where, takes_e
 def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     random.seed(3), np.random.seed(4), torch.manual_seed(5)
     np.random.standard_normal()  # a cached gaussian is part of numpy's state
-    torch.save(ck.rng_state(), tmp_path / "rank_00000.pt")
+    torch.save(capture_rng_state(), tmp_path / "rank_00000.pt")
     want = (random.random(), np.random.standard_normal(), torch.rand(2))
-    ck.set_rng_state(ck.load_rng_file(tmp_path / "rank_00000.pt", 0))
+    restore_rng_state(load_rng_state(tmp_path / "rank_00000.pt", 0))
     got = (random.random(), np.random.standard_normal(), torch.rand(2))
     assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2])
 
 
 def test_missing_rng_file_names_the_rank_and_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"rank_00003\.pt: rank 3's RNG state is missing"):
-        ck.load_rng_file(tmp_path / "rng" / "rank_00003.pt", 3)
+        load_rng_state(tmp_path / "rng" / "rank_00003.pt", 3)
 
 
-def test_old_pickled_rng_file_is_refused(tmp_path):
-    torch.save({"numpy": np.random.get_state()}, tmp_path / "rank_00000.pt")  # what older ds_ttt wrote
+def test_pickled_rng_file_is_refused(tmp_path):
+    torch.save({"numpy": np.random.get_state()}, tmp_path / "rank_00000.pt")  # a numpy state tuple: pickled
     with pytest.raises(ValueError, match="weights_only=True"):
-        ck.load_rng_file(tmp_path / "rank_00000.pt", 0)
+        load_rng_state(tmp_path / "rank_00000.pt", 0)
 
 
 def samples(n=10):

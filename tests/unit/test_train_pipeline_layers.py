@@ -16,11 +16,13 @@ import torch
 from ds_ttt.config import TTTConfig
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 from ds_ttt.train import checkpoint as ckpt_mod
+from ds_ttt.train.reassembly import load_model_from_checkpoint
 from ds_ttt.train.data_loader import collate
 from ds_ttt.train.layout import resolve_layout
 from ds_ttt.train.objective import StepObjective
 from ds_ttt.train.pipeline import DecoderPipe, EmbedPipe, LastStagePipe, build_specs, reduce_outer_loss
 from ds_ttt.train.run_config import RunConfig
+from ds_ttt.train.run_record import RUN_CONFIG, resolved_config
 
 ROUND = [0, 0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 2, 0]
 
@@ -238,9 +240,9 @@ def write_fake_checkpoint(model, layout, run_dir, step=7):
     for idx, layer in enumerate(build_layers(model, layout)):  # the tied head reference saves no file
         torch.save(layer.state_dict(), d / f"layer_{idx:02d}-model_states.pt")
     run = RunConfig(data="x/manifest.json", output=str(run_dir), ttt=model.ttt)
-    res = ckpt_mod.resolved_config(run=run, backbone=model.config, ds={"pipeline": {"stages": layout.num_stages}}, plan=None,
+    res = resolved_config(run=run, backbone=model.config, ds={"pipeline": {"stages": layout.num_stages}}, plan=None,
                           layout=layout, manifest_path="x/manifest.json", manifest_sha256="abc")
-    (d / ckpt_mod.RUN_CONFIG).write_text(json.dumps({**res, "step": step}))
+    (d / RUN_CONFIG).write_text(json.dumps({**res, "step": step}))
     (d / ckpt_mod.COMPLETE).write_text(tag)
     (run_dir / ckpt_mod.LATEST).write_text(tag)
     return d
@@ -254,7 +256,7 @@ def test_load_model_from_checkpoint_reassembles(tiny_qwen3_config, tmp_path, tie
     d = write_fake_checkpoint(model, layout, tmp_path)
     assert ckpt_mod.resolve_checkpoint(tmp_path) == d
     assert ckpt_mod.resolve_checkpoint(d) == d
-    loaded, info = ckpt_mod.load_model_from_checkpoint(tmp_path)
+    loaded, info = load_model_from_checkpoint(tmp_path)
     assert info.step == 7 and info.ttt["inner_lr"] == 0.05 and info.manifest_sha256 == "abc"
     assert info.model_source == {"preset": "tiny"} and info.backbone_config().num_hidden_layers == 8
     ref_sd, got_sd = model.state_dict(), loaded.state_dict()
@@ -275,7 +277,7 @@ def test_tied_checkpoint_with_diverged_copies_is_refused(tiny_qwen3_config, tmp_
     last["lm_head.weight"] = last["lm_head.weight"] + 1e-3
     torch.save(last, d / f"layer_{layout.last_spec:02d}-model_states.pt")
     with pytest.raises(ValueError, match="tied"):
-        ckpt_mod.load_model_from_checkpoint(tmp_path)
+        load_model_from_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -1,5 +1,6 @@
-"""The FlashBoB benchmark's honesty rules (benchmarks/flashbob.py): a wrong result, a rate above
-the run's measured peak, or more CPU time than the threads allow is reported as an error.
+"""The FlashBoB benchmark's honesty rules (benchmarks/flashbob.py, its child processes in
+benchmarks/flashbob_step.py): a wrong result, a rate above the run's measured peak, or more CPU time
+than the threads allow is reported as an error.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/unit/test_flashbob_benchmark.py -q
 
@@ -8,20 +9,33 @@ The checker is run in-process on a tiny shape with outputs taken from the refere
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "flashbob.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    """A benchmark script as a module; benchmarks/ on sys.path for the driver's `import flashbob_step`."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("flashbob_benchmark", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load("flashbob")
+
+
+@pytest.fixture(scope="module")
+def step():
+    return _load("flashbob_step")
 
 
 def _row(**kw):
@@ -59,9 +73,9 @@ def test_unchecked_rows_are_not_called_checked(bench):
     assert bench._judge(row, PEAK, "cpu") == []
 
 
-def _saved_reference(bench, tmp_path, N, Hq, Hkv, D, perturb=None):
-    x = bench._inputs("cpu", torch.float32, N, Hq, Hkv, D, "bhnd")
-    outs = {n: t.float() for n, t in bench._reference(x, Hq, Hkv, torch.float64).items()}
+def _saved_reference(step, tmp_path, N, Hq, Hkv, D, perturb=None):
+    x = step.inputs("cpu", torch.float32, N, Hq, Hkv, D, "bhnd")
+    outs = {n: t.float() for n, t in step.reference(x, Hq, Hkv, torch.float64).items()}
     if perturb:
         outs[perturb][0, 0, 3, 1] += 1e-3 * outs[perturb].abs().max()
     path = tmp_path / f"out_{perturb}.pt"
@@ -70,11 +84,11 @@ def _saved_reference(bench, tmp_path, N, Hq, Hkv, D, perturb=None):
 
 
 @pytest.mark.parametrize("perturb", [None, "kbar", "o"])
-def test_checker_catches_a_wrong_output(bench, tmp_path, perturb):
+def test_checker_catches_a_wrong_output(step, tmp_path, perturb):
     N, Hq, Hkv, D = 96, 4, 2, 16
-    saved = _saved_reference(bench, tmp_path, N, Hq, Hkv, D, perturb)
-    res = bench._checker(dict(device="cpu", N=N, Hq=Hq, Hkv=Hkv, D=D, threads=1,
-                              saved=dict(cpu=saved)))["cpu"]
+    saved = _saved_reference(step, tmp_path, N, Hq, Hkv, D, perturb)
+    res = step.checker(dict(device="cpu", N=N, Hq=Hq, Hkv=Hkv, D=D, threads=1,
+                            saved=dict(cpu=saved)))["cpu"]
     assert res["ok"] == (perturb is None), res
     if perturb:
         assert not res["results"][0]["errors"][perturb]["ok"]

@@ -1,7 +1,9 @@
-"""Hugging Face <-> ds_ttt weights: load a local Qwen3 checkpoint directory into the TTT model.
+"""Hugging Face <-> ds_ttt weights: load a local Qwen3 checkpoint directory into the TTT model, whole
+or one pipeline stage's tensors at a time.
 
-    from ds_ttt.model.hf_adapter import load_hf_qwen3
-    model = load_hf_qwen3("/models/Qwen3-8B", TTTConfig(), dtype=torch.bfloat16)
+    from ds_ttt.model.hf_adapter import load_hf_qwen3, load_hf_weights
+    model = load_hf_qwen3("/models/Qwen3-8B", TTTConfig(), dtype=torch.bfloat16)     # one process
+    load_hf_weights({hf_name: parameter, ...}, "/models/Qwen3-8B", config)           # one pipeline stage
 
 Parameter names are identical to transformers' Qwen3ForCausalLM, so loading is a name-checked copy:
 every checkpoint tensor must land on a model parameter with the same shape, and the only model
@@ -13,7 +15,6 @@ layouts are read with safetensors, one shard at a time (never the whole model in
 from __future__ import annotations
 
 import contextlib
-
 import json
 import pathlib
 
@@ -22,14 +23,13 @@ from safetensors import SafetensorError, safe_open
 from transformers import Qwen3Config
 
 from ds_ttt.config import TTTConfig
-from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM, aliases
 
 PRIME_MARKERS = (".prime_mlp.", ".prime_layernorm.")
 
 
 def is_prime_param(name: str) -> bool:
     return any(m in name for m in PRIME_MARKERS)
-
 
 
 @contextlib.contextmanager
@@ -91,10 +91,8 @@ def load_backbone_weights(model: TTTQwen3ForCausalLM, model_dir: str | pathlib.P
         with open_safetensors(model_dir / shard) as f:
             for name in names:
                 if name not in params:
-                    if not name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved RoPE buffers
-                        raise KeyError(f"{model_dir / shard}: tensor {name!r} has no parameter in the TTT model "
-                                       "(is this a Qwen3 checkpoint?)")
-                    continue
+                    raise KeyError(f"{model_dir / shard}: tensor {name!r} has no parameter in the TTT model "
+                                   "(is this a Qwen3 checkpoint?)")
                 p, src = params[name], f.get_tensor(name)
                 if id(p) in loaded:  # the second name of a tied parameter
                     if not torch.equal(p, src.to(p.dtype)):
@@ -112,6 +110,35 @@ def load_backbone_weights(model: TTTQwen3ForCausalLM, model_dir: str | pathlib.P
         raise KeyError(f"{model_dir}: checkpoint lacks backbone tensors {not_prime[:5]}"
                        f"{' ...' if len(not_prime) > 5 else ''}{tied_hint}")
     return missing
+
+
+@torch.no_grad()
+def load_hf_weights(wanted: dict[str, torch.Tensor], model_dir: str | pathlib.Path, config: Qwen3Config) -> None:
+    """Copy the tensors of `wanted` ({HF name: parameter}, e.g. one pipeline stage's) from a Hugging Face
+    Qwen3 directory, reading only the shards that hold them; prime weights stay fresh. A name the
+    checkpoint does not store is read under its alias (`qwen3.aliases`): with tied embeddings the last
+    stage's `lm_head.weight` comes from `model.embed_tokens.weight` (transformers does not store the copy)."""
+    model_dir = pathlib.Path(model_dir)
+    shards = checkpoint_shards(model_dir)
+    stored = {n for names in shards.values() for n in names}
+    source: dict[str, list[str]] = {}  # checkpoint name -> the wanted names it fills
+    for name in wanted:
+        src = next((a for a in aliases(name, config) if a in stored), name)
+        source.setdefault(src, []).append(name)
+    seen = set()
+    for shard, names in shards.items():
+        mine = [n for n in names if n in source]
+        if not mine:
+            continue
+        with safe_open(str(model_dir / shard), "pt") as f:
+            for src in mine:
+                tensor = f.get_tensor(src)
+                for name in source[src]:
+                    copy_checked(wanted[name], tensor, name=src, where=model_dir / shard)
+                    seen.add(name)
+    missing = [n for n in wanted if n not in seen and not is_prime_param(n)]
+    if missing:
+        raise KeyError(f"{model_dir}: checkpoint lacks backbone tensors {missing[:5]}")
 
 
 def load_hf_qwen3(model_dir: str | pathlib.Path, ttt: TTTConfig, *, dtype: torch.dtype = torch.float32,

@@ -26,9 +26,8 @@ import torch.distributed as dist
 
 from ds_ttt.config import TTTConfig
 from ds_ttt.data.manifest import load_manifest
-from ds_ttt.model.hf_adapter import checkpoint_shards, copy_checked, is_prime_param, load_qwen3_config
+from ds_ttt.model.hf_adapter import load_hf_weights, load_qwen3_config
 from ds_ttt.model.presets import backbone_config
-from ds_ttt.model.qwen3 import aliases
 from ds_ttt.train import checkpoint as ckpt
 from ds_ttt.train.atomic_io import write_json_atomic
 from ds_ttt.train.data_loader import TrajectoryBatches, collate, samples_from_manifest
@@ -60,35 +59,6 @@ def load_backbone(run: RunConfig, manifest=None):
     if manifest is not None and manifest.data["tokenizer"].get("trimmed"):
         cfg.vocab_size = -(-manifest.data["tokenizer"]["vocab_size"] // 64) * 64  # padded like Qwen3's table
     return cfg
-
-
-@torch.no_grad()
-def load_hf_weights(wanted: dict[str, torch.Tensor], model_dir: str, config) -> None:
-    """Copy one stage's tensors ({HF name: parameter}) from a Hugging Face Qwen3 directory, reading only
-    the shards that hold them (prime weights stay fresh). With tied embeddings the last stage's
-    `lm_head.weight` is read from `model.embed_tokens.weight` (transformers does not store the copy)."""
-    model_dir = pathlib.Path(model_dir)
-    shards = checkpoint_shards(model_dir)
-    stored = {n for names in shards.values() for n in names}
-    source = {}  # checkpoint name -> the wanted names it fills
-    for name in wanted:
-        src = next((a for a in aliases(name, config) if a in stored), name)
-        source.setdefault(src, []).append(name)
-    seen = set()
-    from safetensors import safe_open
-    for shard, names in shards.items():
-        mine = [n for n in names if n in source]
-        if not mine:
-            continue
-        with safe_open(str(model_dir / shard), "pt") as f:
-            for src in mine:
-                tensor = f.get_tensor(src)
-                for name in source[src]:
-                    copy_checked(wanted[name], tensor, name=src, where=model_dir / shard)
-                    seen.add(name)
-    missing = [n for n in wanted if n not in seen and not is_prime_param(n)]
-    if missing:
-        raise KeyError(f"{model_dir}: checkpoint lacks backbone tensors {missing[:5]}")
 
 
 def check_same_model(run: RunConfig, info: RunInfo, backbone) -> None:

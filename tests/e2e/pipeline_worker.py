@@ -59,8 +59,9 @@ def backbone(tied: bool = False):
 
 
 # Layouts whose backbone comes from a checkpoint that transformers' Qwen3ForCausalLM.save_pretrained wrote
-# (tied: no lm_head.weight on disk): the reference loads it with load_hf_qwen3, every pipeline stage
-# with the trainer's load_hf_weights (only the prime weights, absent from the checkpoint, are copied).
+# (tied: no lm_head.weight on disk): the reference loads it with load_hf_qwen3, every pipeline stage with
+# the trainer's load_hf_weights (ds_ttt/model/hf_adapter.py); only the prime weights, absent from the
+# checkpoint, are copied.
 HF_LOADED = {"pp4", "tied_pp4"}
 
 
@@ -120,7 +121,8 @@ def run_layout(name: str, out: pathlib.Path) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from ds_ttt.train.engine import load_hf_weights, set_step_objective
+    from ds_ttt.model.hf_adapter import load_hf_weights
+    from ds_ttt.train.engine import set_step_objective
     from ds_ttt.train.pipeline import TTTPipelineModule
 
     stages, zero, clip, micro, gas, _, tied = layout_of(name)

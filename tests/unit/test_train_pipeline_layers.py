@@ -286,8 +286,7 @@ def test_load_hf_weights_per_stage(tiny_qwen3_config, tmp_path, tie):
     no lm_head.weight: the last stage reads the embedding); prime weights stay fresh."""
     from transformers import Qwen3ForCausalLM
 
-    from ds_ttt.model.hf_adapter import load_hf_qwen3
-    from ds_ttt.train.engine import load_hf_weights
+    from ds_ttt.model.hf_adapter import load_hf_qwen3, load_hf_weights
 
     torch.manual_seed(1)
     Qwen3ForCausalLM(tied(tiny_qwen3_config) if tie else tiny_qwen3_config).save_pretrained(tmp_path / "hf")

@@ -73,9 +73,10 @@ def main(argv=None, *, on_save_phase=None) -> int:
     if torch.cuda.is_available():  # before any collective: NCCL object collectives use the current device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    from ds_ttt.train.engine import train
+    from ds_ttt.train.engine import Trainer
     try:
-        train(run, ds, resume=args.resume, start_stage_from=args.start_stage_from, on_save_phase=on_save_phase)
+        Trainer.build(run, ds, resume=args.resume, start_stage_from=args.start_stage_from,
+                      on_save_phase=on_save_phase).train()
     except (ValueError, FileNotFoundError) as e:  # config and checkpoint errors: one clear line (key, file, fix)
         if torch.distributed.get_rank() == 0:
             print(f"launch/train.py: error: {e}", file=sys.stderr)

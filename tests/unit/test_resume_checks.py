@@ -15,8 +15,8 @@ import pytest
 from ds_ttt.config import TTTConfig
 from ds_ttt.model.presets import backbone_config
 from ds_ttt.train import checkpoint as ck
-from ds_ttt.train.engine import DATA_ORDER_KEYS, check_reproducible, resume_cursor
 from ds_ttt.train.layout import resolve_layout
+from ds_ttt.train.resume_checks import DATA_ORDER_KEYS, check_reproducible, resume_cursor
 from ds_ttt.train.run_config import RunConfig
 from ds_ttt.train.run_record import RUN_CONFIG, RunInfo, resolved_config
 
@@ -25,11 +25,11 @@ SAVED_ORDER = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "grad
                "data_parallel_size": 2}
 
 
-def saved_info(tmp_path, *, step=6, stage_start_step=0, data_order=SAVED_ORDER, ds=None):
+def saved_info(tmp_path, *, step=6, stage_start_step=0, data_order=SAVED_ORDER):
     backbone = backbone_config("tiny")
     layout = resolve_layout(2, backbone.num_hidden_layers, TTT)
     run = RunConfig(data="x/manifest.json", output=str(tmp_path), ttt=TTT)
-    res = resolved_config(run=run, backbone=backbone, ds=ds or {"pipeline": {"stages": 2}}, plan=None,
+    res = resolved_config(run=run, backbone=backbone, ds={"pipeline": {"stages": 2}}, plan=None,
                           layout=layout, manifest_path="x/manifest.json", manifest_sha256="abc",
                           stage_start_step=stage_start_step, data_order=data_order)
     d = tmp_path / ck.tag_for(step)
@@ -79,13 +79,10 @@ def test_changed_partition_is_refused(tmp_path):
         check_reproducible(info, dict(SAVED_ORDER), resolve_layout(4, n, TTT, partition=[3, 2, 1]))
 
 
-def test_old_checkpoint_without_a_recorded_order_uses_its_deepspeed_config(tmp_path):
-    ds = {"pipeline": {"stages": 2}, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-          "gradient_accumulation_steps": 2}
-    info, n = saved_info(tmp_path, data_order=None, ds=ds)
-    check_reproducible(info, dict(SAVED_ORDER), resolve_layout(2, n, TTT))
-    with pytest.raises(ValueError, match="data_parallel_size is 1 now but 2"):
-        check_reproducible(info, {**SAVED_ORDER, "data_parallel_size": 1}, resolve_layout(2, n, TTT))
+def test_checkpoint_without_a_recorded_order_is_refused(tmp_path):
+    info, n = saved_info(tmp_path, data_order=None)
+    with pytest.raises(ValueError, match=r"records no batch layout \(data_order\).*--start-stage-from"):
+        check_reproducible(info, dict(SAVED_ORDER), resolve_layout(2, n, TTT))
 
 
 def test_sample_cursor_is_read_and_checked(tmp_path):

@@ -207,7 +207,7 @@ def test_deepspeed_scheduler_follows_the_plan(planned):
 
 
 def test_stage_overlap_is_rejected():
-    from ds_ttt.train.engine import check_no_overlap
+    from ds_ttt.train.resume_checks import check_no_overlap
 
     class M:
         def __init__(self, train, test):

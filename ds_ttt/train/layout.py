@@ -80,7 +80,7 @@ class Layout:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
-        """From `to_dict` (checkpoints before tied embeddings were supported lack the key: untied)."""
+        """From `to_dict` (a dict without `tied_embeddings` is an untied layout)."""
         return cls(d["num_stages"], d["num_layers"], d["num_adaptive"], tuple(d["prefix_per_stage"]),
                    d.get("tied_embeddings", False))
 

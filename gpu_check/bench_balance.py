@@ -3,7 +3,7 @@
     python gpu_check/bench_balance.py --out DIR/pipeline_balance_gpu.json [--budget-s 90]
     (run by gpu_check/run.sh; needs a CUDA GPU)
 
-Runs benchmarks/pipeline_balance.py --device cuda --preset qwen3-8b --tokens 8192 --dtype bf16
+Runs benchmarks/pipeline_balance --device cuda --preset qwen3-8b --tokens 8192 --dtype bf16
 --ttt attention_backend=cuda --layouts PP4xDP1 --global-batch 32 --repeats 2 --no-trainer (the real
 TTTPipelineModule stages of PP4, one process, each stage on the input it really receives) in a child
 killed at the budget, and turns its pipeline_balance.json into the phase file: one row per stage
@@ -29,7 +29,7 @@ GLOBAL_BATCH = 32  # micro-batches per step of ds_configs/qwen3_8b_pp4.json's la
 
 
 def balance_command(python: str, out_dir: Path) -> list[str]:
-    return [python, str(REPO / "benchmarks" / "pipeline_balance.py"), "--device", "cuda", "--preset", "qwen3-8b",
+    return [python, str(REPO / "benchmarks" / "pipeline_balance"), "--device", "cuda", "--preset", "qwen3-8b",
             "--tokens", str(TOKENS), "--dtype", "bf16", "--ttt", "attention_backend=cuda", "--layouts", LAYOUT,
             "--global-batch", str(GLOBAL_BATCH), "--repeats", "2", "--no-trainer", "--out", str(out_dir)]
 

@@ -32,7 +32,7 @@ CUDA context of its own process), then tests, speed, the last stage and the trai
   last_stage  gpu_check/bench_last_stage.py: Qwen3-8B last-stage meta-training step, T = 2K/8K/16K.
   trainer     gpu_check/bench_trainer.py: the real `deepspeed launch/train.py`, one stage, Qwen3-8B
               shape (36 layers or the most that fit), T = 8K then 4K, AdamW steps, save and --resume.
-  balance     gpu_check/bench_balance.py: pipeline_balance.py --device cuda, each PP4 stage timed.
+  balance     gpu_check/bench_balance.py: benchmarks/pipeline_balance --device cuda, each PP4 stage timed.
 
 Results: DIR (default benchmarks/results/gpu) gets environment.json, setup.json (install, build,
 probe, kernels, sanitizer, tests: the first contact), flashbob_cuda.json, last_stage.json,

@@ -339,7 +339,7 @@ def _balance_section(pb) -> list[str]:
     if not pb or not pb.get("rows"):
         return []
     sched = pb.get("schedule") or {}
-    lines = ["", "## PP4 stages timed alone on the GPU (pipeline_balance.py)", "",
+    lines = ["", "## PP4 stages timed alone on the GPU (benchmarks/pipeline_balance)", "",
              f"`{(pb.get('config') or {}).get('command', '')}`", ""]
     lines += _table(["stage", "fwd s", "bwd s", "fwd+bwd s", "params", "trainable", "activation peak GiB"],
                     [[str(r.get("stage")), _fmt(r.get("fwd_s")), _fmt(r.get("bwd_s")), _fmt(r.get("total_s")),

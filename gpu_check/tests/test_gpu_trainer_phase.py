@@ -1,7 +1,7 @@
 """The GPU check's trainer and balance phases, without CUDA: the commands they build, the layer-fit
 search against a fake launcher that runs out of memory above N layers, the metrics.jsonl parsing,
 the resume comparison, the memory split against a real meta-device model, the time-budget skips
-(inside the phase and in the runner), and pipeline_balance.py accepting the balance phase's flags.
+(inside the phase and in the runner), and benchmarks/pipeline_balance accepting the balance phase's flags.
 
     .venv/bin/python -m pytest gpu_check/tests/test_gpu_trainer_phase.py -q
 """
@@ -347,7 +347,7 @@ def test_trainer_row_is_on_disk_before_the_resume_check_runs(tmp_path):
 # ---- the balance phase ------------------------------------------------------------------------------------
 
 def test_balance_command_flags_are_pipeline_balance_flags():
-    """pipeline_balance.py parses the phase's flags and refuses only for want of CUDA."""
+    """benchmarks/pipeline_balance parses the phase's flags and refuses only for want of CUDA."""
     cmd = bench_balance.balance_command(sys.executable, Path("/tmp/unused"))
     for flag, value in (("--device", "cuda"), ("--preset", "qwen3-8b"), ("--tokens", "8192"), ("--dtype", "bf16"),
                         ("--ttt", "attention_backend=cuda"), ("--layouts", "PP4xDP1")):

@@ -55,7 +55,7 @@ def old_last_stage(num_tokens, *, prompt, action, observation, vocab, seed=0):  
 
 
 def old_pipeline_balance(vocab, num_tokens, *, seed=0, prompt=None, action=None, observation=None):
-    prompt = max(1, num_tokens // 16) if prompt is None else prompt  # benchmarks/pipeline_balance.py
+    prompt = max(1, num_tokens // 16) if prompt is None else prompt  # benchmarks/pipeline_balance
     action = max(1, num_tokens // 32) if action is None else action
     observation = max(1, 3 * num_tokens // 32) if observation is None else observation
     one_round = [0, 0] + [1] * action + [0] + [2] * observation + [0]
@@ -97,9 +97,13 @@ def test_the_benchmarks_themselves_build_the_old_tensors():
     old = old_last_stage(4096, prompt=512, action=256, observation=768, vocab=151936, seed=3)
     new = bls.synthetic_trajectory(4096, prompt=512, action=256, observation=768, vocab=151936, seed=3)
     assert all(torch.equal(a, b) for a, b in zip(old, new))
-    pb = _load(REPO / "benchmarks" / "pipeline_balance.py", "pipeline_balance_synthetic_check")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from pipeline_balance.timing import synthetic_micro_batch
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
     config = type("Config", (), {"vocab_size": 512})()
-    mb = pb.synthetic_micro_batch(config, 8192, device="cpu", seed=4)
+    mb = synthetic_micro_batch(config, 8192, device="cpu", seed=4)
     old = old_pipeline_balance(512, 8192, seed=4)
     assert all(torch.equal(a, b) for a, b in zip(old, (mb.ids_BT, mb.kinds_BT, mb.rounds_BT)))
 

@@ -5,7 +5,7 @@
 EXPORT gets config.json, model-*.safetensors + model.safetensors.index.json (standard Qwen3 names;
 `transformers.AutoModelForCausalLM.from_pretrained(EXPORT)` loads the backbone), prime.safetensors +
 ttt_config.json (fast weights W_0, TTT settings, provenance) and the tokenizer with its chat template.
-Load it back with `ds_ttt.export.load_export(EXPORT)`; serve it with `python -m ds_ttt.serve --model EXPORT`.
+Load it back with `ds_ttt.loading.load_export(EXPORT)`; serve it with `python -m ds_ttt.serve --model EXPORT`.
 Layout and guarantees: ds_ttt/export.py, docs/serving.md.
 """
 

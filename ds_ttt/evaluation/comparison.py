@@ -219,7 +219,7 @@ def paired_nll_difference(units_a, units_b, *, num_resamples: int = BOOTSTRAP_RE
 
 def score_checkpoint(checkpoint: str, sets_dir: str, *, label: str, progress: bool = True) -> dict:
     """One model's rows (one per mode) on the sets, with its provenance."""
-    from ds_ttt.export import load_for_inference
+    from ds_ttt.loading import load_for_inference
 
     info, sets = load_sets(sets_dir)
     loaded = load_for_inference(checkpoint, attention_backend="reference")

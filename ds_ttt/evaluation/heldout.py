@@ -92,7 +92,7 @@ def run_heldout(checkpoint: str, manifest_path: str, out_dir: str, *, device: st
                 progress: bool = True, modes=MODES, plots: bool = True, context_policy: str | None = None,
                 window: int | None = None, attention_backend: str = "reference") -> dict:
     from ds_ttt.data.manifest import load_manifest
-    from ds_ttt.export import load_for_inference
+    from ds_ttt.loading import load_for_inference
 
     manifest = load_manifest(manifest_path)
     trajectories = manifest.rendered("test")

@@ -107,7 +107,7 @@ def markdown(results: dict) -> str:
 def run_memory_test(checkpoint: str, out_dir: str, *, num_worlds: int = 32, seed_base: int = MEMORY_SEED_BASE,
                     device: str = "cpu", progress: bool = True, modes=MODES, context_policy: str | None = None,
                     window: int | None = None, attention_backend: str = "reference") -> dict:
-    from ds_ttt.export import load_for_inference
+    from ds_ttt.loading import load_for_inference
 
     loaded = load_for_inference(checkpoint, device=device, attention_backend=attention_backend)
     trained_policy = loaded.model.ttt.context_policy

@@ -7,8 +7,9 @@ The export is written exactly as the main job writes it (launch/main.sh): `prepa
 builds a manifest with a compact tokenizer (tokenizer.json + qwen3_ids.json, special tokens at new
 ids), a model whose embedding is that vocabulary padded to 64 rows is "trained", and
 `export_checkpoint` exports it from a training checkpoint through the trainer's RunInfo (the
-checkpoint's weights come through the test seam `load_training_checkpoint`, as in test_export.py;
-the tokenizer comes from the manifest, hash-checked). Only DeepSpeed's reassembly is skipped.
+checkpoint's weights come through the test seam `ds_ttt.loading.load_training_checkpoint`, as in
+test_export.py; the tokenizer comes from the manifest, hash-checked). Only DeepSpeed's reassembly is
+skipped.
 
 "Trained" here means a few hundred Adam steps of next-action loss on one rendered conversation, so
 that greedy decoding emits the same bash tool call after every generation prompt of a conversation
@@ -79,8 +80,9 @@ def build_trimmed_export(root: pathlib.Path) -> pathlib.Path:
     """root/raw (trajectories), root/data (trimmed manifest), root/run (fake checkpoint dir), root/export."""
     from pytest import MonkeyPatch
 
-    from ds_ttt import export as export_mod
+    from ds_ttt import loading
     from ds_ttt.config import TTTConfig
+    from ds_ttt.export import export_checkpoint
     from ds_ttt.data.manifest import load_manifest, prepare
     from ds_ttt.model.presets import tiny_qwen3_config
     from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
@@ -112,6 +114,6 @@ def build_trimmed_export(root: pathlib.Path) -> pathlib.Path:
                    plan={}, manifest_path=str(man.path), manifest_sha256=man.sha256, model_source={"preset": "tiny"},
                    layout={})
     with MonkeyPatch.context() as mp:
-        mp.setattr(export_mod, "load_training_checkpoint", lambda path, device="cpu": (model, info))
-        export_mod.export_checkpoint(root / "run", root / "export")
+        mp.setattr(loading, "load_training_checkpoint", lambda path, device="cpu": (model, info))
+        export_checkpoint(root / "run", root / "export")
     return root / "export"

@@ -197,7 +197,8 @@ def test_zero3_with_a_pipeline_is_refused():
 # ---------------------------------------------------------------- exports
 def test_a_truncated_safetensors_shard_is_named(tmp_path, tiny_qwen3_config):
     from ds_ttt.config import TTTConfig
-    from ds_ttt.export import export_model, load_export
+    from ds_ttt.export import export_model
+    from ds_ttt.loading import load_export
     from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 
     export_model(TTTQwen3ForCausalLM(tiny_qwen3_config, TTTConfig()), tmp_path, max_shard_size="100KB")

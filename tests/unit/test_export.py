@@ -1,6 +1,7 @@
-"""Export round trip: shard layout and names, our loader (same logits, same adaptation), transformers'
-loader (no missing/unexpected keys, same logits as ours with the prime branch off), the export CLI
-from a (faked) training checkpoint.  Run: python -m pytest tests/unit/test_export.py
+"""Export round trip: shard layout and names (ds_ttt/export.py), our loader (ds_ttt/loading.py: same
+logits, same adaptation), transformers' loader (no missing/unexpected keys, same logits as ours with the
+prime branch off), the export CLI from a (faked) training checkpoint.
+Run: python -m pytest tests/unit/test_export.py
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-from ds_ttt import export as export_mod
+from ds_ttt import loading
 from ds_ttt.config import TTTConfig
-from ds_ttt.export import export_model, load_export, parse_size, shard_state_dict
+from ds_ttt.export import export_checkpoint, export_model, parse_size, shard_state_dict
+from ds_ttt.loading import load_export
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 
 KINDS = [0] * 5 + ([0, 1, 1, 1, 0, 2, 2, 2, 2, 0]) * 3
@@ -138,17 +140,17 @@ def test_export_from_a_training_checkpoint(tmp_path, tiny_qwen3_config, monkeypa
     info = RunInfo(checkpoint=ckpt, step=12, backbone={}, ttt=model.ttt.to_dict(), run={}, deepspeed={}, plan={},
                    manifest_path=str(tmp_path / "nodata" / "manifest.json"), manifest_sha256="ab" * 32,
                    model_source={"preset": "tiny"}, layout={})
-    monkeypatch.setattr(export_mod, "load_training_checkpoint", lambda path, device="cpu": (model, info))
-    summary = export_mod.export_checkpoint(tmp_path / "run", tmp_path / "export", max_shard_size="1MB")
+    monkeypatch.setattr(loading, "load_training_checkpoint", lambda path, device="cpu": (model, info))
+    summary = export_checkpoint(tmp_path / "run", tmp_path / "export", max_shard_size="1MB")
     meta = json.loads((tmp_path / "export" / "ttt_config.json").read_text())
     prov = meta["provenance"]
     assert prov["step"] == 12 and prov["manifest_sha256"] == "ab" * 32 and prov["source_kind"] == "checkpoint"
     assert prov["resolved"] == str(ckpt) and prov["model_source"] == {"preset": "tiny"}
-    assert prov["sha256"] == export_mod.checkpoint_sha256(ckpt)
+    assert prov["sha256"] == loading.checkpoint_sha256(ckpt)
     (ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"other optimizer state")
-    assert export_mod.checkpoint_sha256(ckpt) == prov["sha256"]  # optimizer states are not the model
+    assert loading.checkpoint_sha256(ckpt) == prov["sha256"]  # optimizer states are not the model
     (ckpt / "layer_00-model_states.pt").write_bytes(b"other weights")
-    assert export_mod.checkpoint_sha256(ckpt) != prov["sha256"]
+    assert loading.checkpoint_sha256(ckpt) != prov["sha256"]
     assert json.loads((tmp_path / "export" / "data_ids.json").read_text()) == stages
     assert meta["ttt"]["context_policy"] == "current_round"
     assert summary["num_prime_tensors"] == 8
@@ -157,10 +159,10 @@ def test_export_from_a_training_checkpoint(tmp_path, tiny_qwen3_config, monkeypa
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "export"))
     assert tok.chat_template and "<tool_call>" in tok.chat_template
     assert tok.convert_tokens_to_ids("<|im_end|>") == 151645
-    loaded = export_mod.load_for_inference(tmp_path / "export")
+    loaded = loading.load_for_inference(tmp_path / "export")
     assert loaded.provenance["data_ids_path"] == str(tmp_path / "export" / "data_ids.json")
     with pytest.raises(ValueError, match="new directory"):
-        export_mod.export_checkpoint(tmp_path / "export", tmp_path / "export")
+        export_checkpoint(tmp_path / "export", tmp_path / "export")
 
 
 def test_export_cli_help_shows_usage():
@@ -173,13 +175,13 @@ def test_tied_embeddings_export_once_and_load_tied(tmp_path, tiny_qwen3_config):
     refuses shared tensors), says so in config.json, and both loaders tie it again."""
     tiny_qwen3_config.tie_word_embeddings = True
     model = trained_like_model(tiny_qwen3_config)
-    assert export_mod.is_tied(model)
+    assert loading.is_tied(model)
     export_model(model, tmp_path, max_shard_size="200KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is True
     loaded = load_export(tmp_path)
-    assert export_mod.is_tied(loaded)
+    assert loading.is_tied(loaded)
     ids, kinds, rounds = batch()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)

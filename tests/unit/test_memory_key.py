@@ -204,7 +204,8 @@ def test_per_row_fast_weights_equal_one_row_at_a_time():
 
 def test_export_round_trip_keeps_the_shift(tmp_path):
     from ds_ttt.data.tokenizer import load_tokenizer
-    from ds_ttt.export import export_model, load_export
+    from ds_ttt.export import export_model
+    from ds_ttt.loading import load_export
 
     tok = load_tokenizer()
     torch.manual_seed(0)

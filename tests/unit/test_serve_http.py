@@ -376,7 +376,7 @@ def test_trimmed_export_loads_in_evaluation_memory_test_service_runner_and_http(
 
 
 def test_trimmed_export_without_its_tokenizer_or_with_another_is_refused(trimmed, tmp_path):
-    from ds_ttt.export import load_for_inference
+    from ds_ttt.loading import load_for_inference
 
     copy = tmp_path / "export"
     shutil.copytree(trimmed / "export", copy)
@@ -404,8 +404,8 @@ def test_trimmed_export_without_its_tokenizer_or_with_another_is_refused(trimmed
 
 
 def test_checkpoint_tokenizer_is_checked_against_the_training_manifest(trimmed, tmp_path, monkeypatch):
-    from ds_ttt import export as export_mod
-    from ds_ttt.export import load_export, load_for_inference
+    from ds_ttt import loading
+    from ds_ttt.loading import load_export, load_for_inference
     from ds_ttt.train.checkpoint import RunInfo
 
     data = tmp_path / "data"
@@ -417,7 +417,7 @@ def test_checkpoint_tokenizer_is_checked_against_the_training_manifest(trimmed, 
     info = RunInfo(checkpoint=ckpt, step=10, backbone=model.config.to_dict(), ttt=model.ttt.to_dict(), run={},
                    deepspeed={}, plan={}, manifest_path=str(data / "manifest.json"), manifest_sha256=man_sha,
                    model_source={"preset": "tiny"}, layout={})
-    monkeypatch.setattr(export_mod, "load_training_checkpoint", lambda path, device="cpu": (model, info))
+    monkeypatch.setattr(loading, "load_training_checkpoint", lambda path, device="cpu": (model, info))
     loaded = load_for_inference(ckpt)
     assert loaded.provenance["tokenizer"]["trimmed"] and loaded.tokenizer.qwen3_ids is not None
     recorded = json.loads((data / "manifest.json").read_text())["tokenizer"]["hash"]
@@ -432,9 +432,9 @@ def test_checkpoint_tokenizer_is_checked_against_the_training_manifest(trimmed, 
 def test_checkpoint_tokenizer_is_checked_against_the_hash_recorded_at_training(trimmed, tmp_path, monkeypatch):
     """run_config.json's "tokenizer" (written by the trainer, engine.manifest_tokenizer) is the record: it
     holds without the manifest, and a changed tokenizer is refused naming both hashes."""
-    from ds_ttt import export as export_mod
+    from ds_ttt import loading
     from ds_ttt.data.manifest import load_manifest
-    from ds_ttt.export import load_export, load_for_inference
+    from ds_ttt.loading import load_export, load_for_inference
     from ds_ttt.train.checkpoint import RunInfo
     from ds_ttt.train.engine import manifest_tokenizer
 
@@ -450,7 +450,7 @@ def test_checkpoint_tokenizer_is_checked_against_the_hash_recorded_at_training(t
     info = RunInfo(checkpoint=ckpt, step=10, backbone=model.config.to_dict(), ttt=model.ttt.to_dict(), run={},
                    deepspeed={}, plan={}, manifest_path=str(data / "manifest.json"), manifest_sha256="0" * 64,
                    model_source={"preset": "tiny"}, layout={}, raw={"tokenizer": record})
-    monkeypatch.setattr(export_mod, "load_training_checkpoint", lambda path, device="cpu": (model, info))
+    monkeypatch.setattr(loading, "load_training_checkpoint", lambda path, device="cpu": (model, info))
     loaded = load_for_inference(ckpt)
     assert loaded.provenance["tokenizer"]["trimmed"] and loaded.provenance["tokenizer"]["recorded_in"].endswith(
         "run_config.json")

@@ -87,7 +87,7 @@ class AgentModel:
     """A frozen TTT model + tokenizer, shared by any number of sessions (each keeps its own W and cache)."""
 
     def __init__(self, model, tokenizer, provenance: dict | None = None):
-        from ds_ttt.export import check_tokenizer_fits
+        from ds_ttt.loading import check_tokenizer_fits
 
         check_tokenizer_fits(tokenizer, model.config, where="AgentModel")
         self.model = model.eval().requires_grad_(False)
@@ -122,10 +122,10 @@ class AgentModel:
     @classmethod
     def load(cls, path: str | pathlib.Path, *, device: str = "cpu", attention_backend: str | None = "reference") -> "AgentModel":
         """From an export directory (or a training checkpoint), with its own tokenizer (a compact
-        vocabulary's included; see ds_ttt.export.load_for_inference). attention_backend: "reference",
+        vocabulary's included; see ds_ttt.loading.load_for_inference). attention_backend: "reference",
         "auto" (cuda on a GPU, the cpu kernel on a CPU), "cpu", "cuda"; the concrete one is
         `provenance["attention_backend"]`."""
-        from ds_ttt.export import load_for_inference
+        from ds_ttt.loading import load_for_inference
 
         loaded = load_for_inference(path, device=device, attention_backend=attention_backend, hash_files=False)
         return cls(loaded.model, loaded.tokenizer, loaded.provenance)

@@ -176,12 +176,80 @@ def observation_labels(label_kinds: torch.Tensor, *, with_end: bool) -> torch.Te
     return obs | closes
 
 
+@dataclass
+class _EventPlan:
+    """One event's host-side metadata, computed from the batch's single host copy (no device work)."""
+
+    start: int  # the round's first position
+    end: int  # one past its last position
+    round_id: int
+    wanted_h: torch.Tensor  # label positions scored: every one with record=True, else action + observation
+    kinds_h: torch.Tensor  # their label kinds
+    act_mask_h: torch.Tensor  # over wanted_h: action labels (the outer loss)
+    obs_mask_h: torch.Tensor  # over wanted_h: labels of the observation loss (the inner step)
+    num_obs: int  # obs_mask_h.sum(): zero means no inner step this event
+
+
+def _plan_events(b: int, kinds_h: torch.Tensor, rounds_h: torch.Tensor, *, record: bool,
+                 with_end: bool) -> list[_EventPlan]:
+    """The events of trajectory `b` (its unpadded host kinds and round ids): one per round."""
+    n = len(kinds_h)
+    if n > 1 and bool((rounds_h[1:] < rounds_h[:-1]).any()):
+        raise ValueError(f"trajectory {b}: round ids must be non-decreasing along the sequence")
+    label_kinds_h = kinds_h[1:]
+    starts = [0] + (torch.nonzero(rounds_h[1:] != rounds_h[:-1]).squeeze(1) + 1).tolist()
+    ends = starts[1:] + [n]
+    plans = []
+    for start, end in zip(starts, ends):
+        label_idx_h = torch.arange(start, min(end, n - 1))
+        lk_h = label_kinds_h[label_idx_h]
+        obs_like_h = observation_labels(lk_h, with_end=with_end)
+        wanted_h = label_idx_h if record else label_idx_h[(lk_h == TokenKind.ACTION) | obs_like_h]
+        obs_mask_h = obs_like_h[wanted_h - start]
+        plans.append(_EventPlan(start=start, end=end, round_id=int(rounds_h[start]), wanted_h=wanted_h,
+                                kinds_h=label_kinds_h[wanted_h], act_mask_h=label_kinds_h[wanted_h] == TokenKind.ACTION,
+                                obs_mask_h=obs_mask_h, num_obs=int(obs_mask_h.sum())))
+    return plans
+
+
+@dataclass
+class _Loop:
+    """What every event of one `run_event_loop` call shares."""
+
+    suffix: SuffixModules
+    ttt: TTTConfig
+    policy: ContextPolicy
+    create_graph: bool
+    record: bool
+    can_update: bool  # fast weights exist, updates are on and the inner lr is nonzero
+    no_skip: torch.Tensor  # the 0-dim int64 "not skipped" of events without an update
+
+
+@dataclass
+class _Totals:
+    """The loop's running sums, added to event by event in trajectory order."""
+
+    action_loss: torch.Tensor  # in the graph
+    obs_loss: torch.Tensor  # in the graph
+    skipped: torch.Tensor  # 0-dim int64 on the device
+    num_action: int = 0
+    num_obs: int = 0
+    num_attempts: int = 0
+
+
+@dataclass
+class _Carried:
+    """What one event hands the next within a trajectory."""
+
+    weights: FastWeights
+    caches: list[LayerCache] | None  # None before the first event (made to match its hidden states)
+    key_tails: list[torch.Tensor]  # the last `key_shift` prime-MLP inputs of each key-shift layer
+
+
 def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tensor, input_ids_BT: torch.Tensor,
                    kinds_BT: torch.Tensor, rounds_BT: torch.Tensor, *, create_graph: bool, update: bool = True,
                    record: bool = False, fast_weights: FastWeights | None = None) -> EventLoopOutput:
     """Outer loss of a right-padded batch (rows are independent trajectories, each with its own W)."""
-    policy = ContextPolicy.from_ttt(ttt)
-    backend = ttt.attention_backend
     device = hidden_BTC.device
     w0 = fast_weights if fast_weights is not None else suffix.initial_fast_weights()
     can_update = update and len(w0) > 0 and ttt.inner_lr > 0
@@ -190,127 +258,139 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
     # The one host copy of the batch's metadata: every event boundary, label position and count below
     # is computed from it, so the events themselves never wait for the device.
     kinds_host_BT, rounds_host_BT = kinds_BT.cpu(), rounds_BT.cpu()
-    total_action = hidden_BTC.new_zeros((), dtype=torch.float32)
-    total_obs = hidden_BTC.new_zeros((), dtype=torch.float32)
-    skipped_count = torch.zeros((), dtype=torch.int64, device=device)
-    no_skip = torch.zeros((), dtype=torch.int64, device=device)
-    n_action = n_obs = n_attempts = 0
+    totals = _Totals(action_loss=hidden_BTC.new_zeros((), dtype=torch.float32),
+                     obs_loss=hidden_BTC.new_zeros((), dtype=torch.float32),
+                     skipped=torch.zeros((), dtype=torch.int64, device=device))
+    loop = _Loop(suffix=suffix, ttt=ttt, policy=ContextPolicy.from_ttt(ttt), create_graph=create_graph, record=record,
+                 can_update=can_update, no_skip=torch.zeros((), dtype=torch.int64, device=device))
     all_records, finals = [], []
-
     for b in range(hidden_BTC.shape[0]):
         n = int((kinds_host_BT[b] != TokenKind.PAD).sum())
-        kinds_h, rounds_h = kinds_host_BT[b, :n], rounds_host_BT[b, :n]
-        if n > 1 and bool((rounds_h[1:] < rounds_h[:-1]).any()):
-            raise ValueError(f"trajectory {b}: round ids must be non-decreasing along the sequence")
+        rounds_h = rounds_host_BT[b, :n]
+        plans = _plan_events(b, kinds_host_BT[b, :n], rounds_h, record=record, with_end=ttt.obs_loss_with_end)
         labels = input_ids_BT[b, 1:n]
-        label_kinds_h = kinds_h[1:]
-        starts = [0] + (torch.nonzero(rounds_h[1:] != rounds_h[:-1]).squeeze(1) + 1).tolist()
-        ends = starts[1:] + [n]
-        weights = w0
-        caches = None
-        shift_layers = [layer for layer in suffix.layers if uses_key_shift(layer)]
-        key_tails = [hidden_BTC.new_zeros(1, layer.prime_mlp.key_shift.shape[0], hidden_BTC.shape[-1])
-                     for layer in shift_layers]
+        carried = _Carried(weights=w0, caches=None, key_tails=[
+            hidden_BTC.new_zeros(1, layer.prime_mlp.key_shift.shape[0], hidden_BTC.shape[-1])
+            for layer in suffix.layers if uses_key_shift(layer)])
         records = []
-        for start, end in zip(starts, ends):
-            round_id = int(rounds_h[start])
-            label_idx_h = torch.arange(start, min(end, n - 1))
-            lk_h = label_kinds_h[label_idx_h]
-            obs_like_h = observation_labels(lk_h, with_end=ttt.obs_loss_with_end)
-            wanted_h = label_idx_h if record else label_idx_h[(lk_h == TokenKind.ACTION) | obs_like_h]
-            act_mask_h = label_kinds_h[wanted_h] == TokenKind.ACTION
-            obs_mask_h = obs_like_h[wanted_h - start]
-            k_obs = int(obs_mask_h.sum())
-            do_update = can_update and k_obs > 0
-            wanted = wanted_h.to(device, non_blocking=True)
-            local, tgt = (wanted_h - start).to(device, non_blocking=True), labels[wanted]
-            act_mask, obs_mask = act_mask_h.to(device, non_blocking=True), obs_mask_h.to(device, non_blocking=True)
-            positions = torch.arange(start, end, device=device)[None]
-            h_event = hidden_BTC[b:b + 1, start:end]
-            if caches is None:
-                caches = [_empty_cache(layer, h_event) for layer in suffix.layers]
-            # Prune the caches to what this event may see (outside the checkpointed step: the
-            # kept keys/values are its tensor inputs, positions/rounds are plain host metadata).
-            kept = [policy.select(c, start, round_id)[0] for c in caches]
-
-            def score(h, ws, kvs, tails, kept=kept, positions=positions, start=start, round_id=round_id,
-                      local=local, tgt=tgt, in_graph=act_mask | obs_mask):
-                cs = [LayerCache(kvs[2 * i], kvs[2 * i + 1], c.positions_S, c.rounds_S) for i, c in enumerate(kept)]
-                h_out, outs, key_last = forward_event(suffix.layers, cs, h, suffix.rotary_emb(h, positions), start,
-                                                      round_id, policy, backend, ws, tails)
-                nll, logits = _nll(suffix, h_out, local, tgt, in_graph=in_graph if record else None)
-                return nll, logits, [t for _, k, v in outs for t in (k, v)], key_last
-
-            def step(h, *flat, score=score, act_mask=act_mask, obs_mask=obs_mask, k_obs=k_obs,
-                     do_update=do_update, nw=len(weights), nkv=2 * len(kept)):
-                ws, kvs, tails = tuple(flat[:nw]), flat[nw:nw + nkv], flat[nw + nkv:]
-                nll, logits, new_kv, key_last = score(h, ws, kvs, tails)
-                act_sum, obs_sum = (nll * act_mask).sum(), (nll * obs_mask).sum()
-                new_ws, skipped = ws, no_skip
-                if do_update:
-                    res = inner_update(obs_sum, k_obs, ws, ttt, create_graph=create_graph)
-                    skip_any = res.skipped
-                    for _ in range(1, ttt.inner_steps):  # further steps re-score the observation with W'
-                        res = inner_update((score(h, res.weights, kvs, tails)[0] * obs_mask).sum(), k_obs,
-                                           res.weights, ttt, create_graph=create_graph)
-                        skip_any = skip_any | res.skipped
-                    new_ws, skipped = res.weights, skip_any.to(torch.int64)
-                extra = (nll.detach(), logits.detach().argmax(-1)) if record else ()
-                return (*new_ws, *new_kv, *key_last, act_sum, obs_sum, skipped, *extra)
-
-            # the key history entering this event: the last event's, or none at a round boundary the
-            # context policy closes (current_round: no key sees an earlier round)
-            tails_in = ([torch.zeros_like(t) for t in key_tails] if policy.kind == "current_round" else key_tails)
-            flat_in = [t for c in kept for t in (c.k_1HSD, c.v_1HSD)]
-            if not create_graph:
-                h_event = h_event.detach()
-            if not create_graph:
-                tails_in = [t.detach() for t in tails_in]
-            if ttt.checkpoint_events and create_graph and torch.is_grad_enabled():
-                out = checkpoint(step, h_event, *weights, *flat_in, *tails_in, use_reentrant=False)
-            else:
-                # Inference still needs a graph from W to L_obs for the inner gradient.
-                with torch.enable_grad() if do_update else contextlib.nullcontext():
-                    out = step(h_event, *weights, *flat_in, *tails_in)
-            nw, nkv, nk = len(weights), 2 * len(kept), len(key_tails)
-            new_weights, new_kv = tuple(out[:nw]), out[nw:nw + nkv]
-            key_tails = list(out[nw + nkv:nw + nkv + nk])
-            act_sum, obs_sum, skipped_t = out[nw + nkv + nk: nw + nkv + nk + 3]
-            skipped_count = skipped_count + skipped_t
-            if record:  # evaluation reads values back per event; training never takes this branch
-                skipped = bool(skipped_t)
-                after = None
-                if do_update and not skipped:
-                    with torch.no_grad():
-                        pure_obs = (label_kinds_h[wanted_h] == TokenKind.OBSERVATION).to(device)
-                        after = score(h_event, new_weights, flat_in, tails_in)[0][pure_obs].cpu()
-                records.append(EventRecord(
-                    round=round_id, label_positions=wanted_h, labels=tgt.cpu(),
-                    label_kinds=label_kinds_h[wanted_h], token_nll=out[-2].cpu(), argmax=out[-1].cpu(),
-                    obs_nll_after=after, updated=do_update and not skipped, skipped=do_update and skipped))
-            caches = []
-            for i, c in enumerate(kept):
-                k, v = new_kv[2 * i], new_kv[2 * i + 1]
-                kk, vv = flat_in[2 * i], flat_in[2 * i + 1]
-                if not create_graph:
-                    k, v = k.detach(), v.detach()
-                caches.append(LayerCache(kk, vv, c.positions_S, c.rounds_S).append(
-                    k, v, torch.arange(start, end), rounds_h[start:end]))
-            total_action = total_action + act_sum
-            total_obs = total_obs + obs_sum
-            n_action += int(act_mask_h.sum())
-            n_obs += k_obs
-            n_attempts += int(do_update)
-            weights = new_weights
+        for plan in plans:
+            carried, rec = _run_event(loop, plan, carried, hidden_BTC[b:b + 1, plan.start:plan.end], labels,
+                                      rounds_h, totals)
+            if rec is not None:
+                records.append(rec)
         all_records.append(records)
-        finals.append(tuple(w.detach() for w in weights))
+        finals.append(tuple(w.detach() for w in carried.weights))
 
-    loss = total_action / max(n_action, 1)
+    loss = totals.action_loss / max(totals.num_action, 1)
     if ttt.obs_loss_weight > 0:
-        loss = loss + ttt.obs_loss_weight * total_obs / max(n_obs, 1)
-    return EventLoopOutput(loss=loss, action_loss_sum=total_action, obs_loss_sum=total_obs,
-                           num_action_tokens=n_action, num_obs_tokens=n_obs, num_update_attempts=n_attempts,
-                           skipped_count=skipped_count, records=all_records, final_weights=finals)
+        loss = loss + ttt.obs_loss_weight * totals.obs_loss / max(totals.num_obs, 1)
+    return EventLoopOutput(loss=loss, action_loss_sum=totals.action_loss, obs_loss_sum=totals.obs_loss,
+                           num_action_tokens=totals.num_action, num_obs_tokens=totals.num_obs,
+                           num_update_attempts=totals.num_attempts, skipped_count=totals.skipped,
+                           records=all_records, final_weights=finals)
+
+
+def _run_event(loop: _Loop, plan: _EventPlan, carried: _Carried, h_event: torch.Tensor, labels: torch.Tensor,
+               rounds_h: torch.Tensor, totals: _Totals) -> tuple[_Carried, EventRecord | None]:
+    """One event (steps 1-4 of the module docstring) of one trajectory: adds its losses and counts to
+    `totals`; returns what the next event carries and, with `record`, this event's EventRecord."""
+    suffix, ttt, policy, create_graph = loop.suffix, loop.ttt, loop.policy, loop.create_graph
+    device = h_event.device
+    start, end, round_id, wanted_h = plan.start, plan.end, plan.round_id, plan.wanted_h
+    do_update = loop.can_update and plan.num_obs > 0
+    wanted = wanted_h.to(device, non_blocking=True)
+    local, tgt = (wanted_h - start).to(device, non_blocking=True), labels[wanted]
+    act_mask = plan.act_mask_h.to(device, non_blocking=True)
+    obs_mask = plan.obs_mask_h.to(device, non_blocking=True)
+    positions = torch.arange(start, end, device=device)[None]
+    caches = carried.caches if carried.caches is not None else [_empty_cache(layer, h_event) for layer in suffix.layers]
+    # Prune the caches to what this event may see (outside the checkpointed step: the
+    # kept keys/values are its tensor inputs, positions/rounds are plain host metadata).
+    kept = [policy.select(c, start, round_id)[0] for c in caches]
+    weights = carried.weights
+
+    def score(h, ws, kvs, tails, in_graph=act_mask | obs_mask):
+        cs = [LayerCache(kvs[2 * i], kvs[2 * i + 1], c.positions_S, c.rounds_S) for i, c in enumerate(kept)]
+        h_out, outs, key_last = forward_event(suffix.layers, cs, h, suffix.rotary_emb(h, positions), start,
+                                              round_id, policy, ttt.attention_backend, ws, tails)
+        nll, logits = _nll(suffix, h_out, local, tgt, in_graph=in_graph if loop.record else None)
+        return nll, logits, [t for _, k, v in outs for t in (k, v)], key_last
+
+    def step(h, *flat, nw=len(weights), nkv=2 * len(kept)):
+        ws, kvs, tails = tuple(flat[:nw]), flat[nw:nw + nkv], flat[nw + nkv:]
+        nll, logits, new_kv, key_last = score(h, ws, kvs, tails)
+        act_sum, obs_sum = (nll * act_mask).sum(), (nll * obs_mask).sum()
+        new_ws, skipped = ws, loop.no_skip
+        if do_update:
+            res = inner_update(obs_sum, plan.num_obs, ws, ttt, create_graph=create_graph)
+            skip_any = res.skipped
+            for _ in range(1, ttt.inner_steps):  # further steps re-score the observation with W'
+                res = inner_update((score(h, res.weights, kvs, tails)[0] * obs_mask).sum(), plan.num_obs,
+                                   res.weights, ttt, create_graph=create_graph)
+                skip_any = skip_any | res.skipped
+            new_ws, skipped = res.weights, skip_any.to(torch.int64)
+        extra = (nll.detach(), logits.detach().argmax(-1)) if loop.record else ()
+        return (*new_ws, *new_kv, *key_last, act_sum, obs_sum, skipped, *extra)
+
+    # the key history entering this event: the last event's, or none at a round boundary the
+    # context policy closes (current_round: no key sees an earlier round)
+    tails_in = ([torch.zeros_like(t) for t in carried.key_tails] if policy.kind == "current_round"
+                else carried.key_tails)
+    flat_in = [t for c in kept for t in (c.k_1HSD, c.v_1HSD)]
+    if not create_graph:
+        h_event = h_event.detach()
+        tails_in = [t.detach() for t in tails_in]
+    if ttt.checkpoint_events and create_graph and torch.is_grad_enabled():
+        out = checkpoint(step, h_event, *weights, *flat_in, *tails_in, use_reentrant=False)
+    else:
+        # Inference still needs a graph from W to L_obs for the inner gradient.
+        with torch.enable_grad() if do_update else contextlib.nullcontext():
+            out = step(h_event, *weights, *flat_in, *tails_in)
+    nw, nkv, nk = len(weights), 2 * len(kept), len(carried.key_tails)
+    new_weights, new_kv = tuple(out[:nw]), out[nw:nw + nkv]
+    key_tails = list(out[nw + nkv:nw + nkv + nk])
+    act_sum, obs_sum, skipped_t = out[nw + nkv + nk: nw + nkv + nk + 3]
+    totals.skipped = totals.skipped + skipped_t
+    rec = None
+    if loop.record:  # evaluation reads values back per event; training never takes this branch
+        rec = _event_record(plan, out, tgt, skipped_t, do_update,
+                            rescore=lambda: score(h_event, new_weights, flat_in, tails_in)[0])
+    caches = _append_event(kept, flat_in, new_kv, plan, rounds_h, detach=not create_graph)
+    totals.action_loss = totals.action_loss + act_sum
+    totals.obs_loss = totals.obs_loss + obs_sum
+    totals.num_action += int(plan.act_mask_h.sum())
+    totals.num_obs += plan.num_obs
+    totals.num_attempts += int(do_update)
+    return _Carried(weights=new_weights, caches=caches, key_tails=key_tails), rec
+
+
+def _event_record(plan: _EventPlan, out, tgt: torch.Tensor, skipped_t: torch.Tensor, do_update: bool,
+                  rescore) -> EventRecord:
+    """The event's EventRecord from the step's outputs (its last two: per-label NLL and argmax with the
+    pre-update W); `rescore()` gives the per-label NLL with the updated W, read for the observation."""
+    skipped = bool(skipped_t)
+    after = None
+    if do_update and not skipped:
+        with torch.no_grad():
+            nll_after = rescore()
+            after = nll_after[(plan.kinds_h == TokenKind.OBSERVATION).to(nll_after.device)].cpu()
+    return EventRecord(round=plan.round_id, label_positions=plan.wanted_h, labels=tgt.cpu(), label_kinds=plan.kinds_h,
+                       token_nll=out[-2].cpu(), argmax=out[-1].cpu(), obs_nll_after=after,
+                       updated=do_update and not skipped, skipped=do_update and skipped)
+
+
+def _append_event(kept: list[LayerCache], flat_in: list[torch.Tensor], new_kv, plan: _EventPlan,
+                  rounds_h: torch.Tensor, *, detach: bool) -> list[LayerCache]:
+    """Each layer's cache for the next event: what this event saw plus this event's keys/values (step 4)."""
+    caches = []
+    for i, c in enumerate(kept):
+        k, v = new_kv[2 * i], new_kv[2 * i + 1]
+        kk, vv = flat_in[2 * i], flat_in[2 * i + 1]
+        if detach:
+            k, v = k.detach(), v.detach()
+        caches.append(LayerCache(kk, vv, c.positions_S, c.rounds_S).append(
+            k, v, torch.arange(plan.start, plan.end), rounds_h[plan.start:plan.end]))
+    return caches
 
 
 def _empty_cache(layer, h_1TC) -> LayerCache:

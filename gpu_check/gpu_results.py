@@ -14,7 +14,7 @@ Every phase of `gpu_check/run.sh` leaves one JSON file in the results folder
     last_stage.json      one meta-training step of the Qwen3-8B last pipeline stage, T = 2K / 8K / 16K
     trainer.json         deepspeed launch/train.py on the GPU (one stage): tokens/s, step time, memory
                          split, loss, save + --resume equality, the layer count that fitted
-    pipeline_balance_gpu.json  each PP4 stage of Qwen3-8B timed alone on the GPU (pipeline_balance.py)
+    pipeline_balance_gpu.json  each PP4 stage of Qwen3-8B timed alone on the GPU (benchmarks/pipeline_balance)
     summary.md           the tables below, rendered from those files
     gpu_check.log        everything the run printed
 

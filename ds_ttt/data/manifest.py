@@ -140,37 +140,12 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    imported = import_inputs(inputs)
-    extra_ids: set[str] = set()
-    if train_only:
-        extra = import_inputs(train_only)
-        base_keys = {t["id"] for t in imported.trajectories} | {t["meta"]["group"] for t in imported.trajectories}
-        clash = sorted(base_keys & ({t["id"] for t in extra.trajectories} | {t["meta"]["group"] for t in extra.trajectories}))
-        if clash:
-            raise ValueError(f"--train-only inputs {[str(p) for p in train_only]} reuse {len(clash)} trajectory id(s) or group(s) of "
-                             f"--inputs (first: {clash[0]!r}); generate them with another seed")
-        extra_ids = {t["id"] for t in extra.trajectories}
-        imported.trajectories.extend(extra.trajectories)
-        imported.rejects.extend(extra.rejects)
-        imported.skipped.extend(extra.skipped)
-        imported.duplicate_copies.extend(extra.duplicate_copies)
-        for fmt, n in extra.counts_by_format.items():
-            imported.counts_by_format[fmt] = imported.counts_by_format.get(fmt, 0) + n
+    imported, extra_ids = _import_all(inputs, train_only)
     rejects_path = out / "rejects.jsonl"
     _write_jsonl(rejects_path, [r.to_dict() for r in imported.rejects])
-    if imported.rejects and not allow_rejects:
-        stale = out / "manifest.json"
-        if stale.exists():
-            stale.unlink()  # never leave a manifest that does not describe this run
-        shown = "".join(f"\n  {r.describe()}" for r in imported.rejects[:MAX_REJECTS_SHOWN])
-        more = f"\n  … and {len(imported.rejects) - MAX_REJECTS_SHOWN} more" if len(imported.rejects) > MAX_REJECTS_SHOWN else ""
-        return PrepareResult(out, None, len(imported.rejects), 1, rejects_path, imported.skipped,
-                             f"{len(imported.rejects)} malformed record(s), all in {rejects_path}; pass --allow-rejects "
-                             f"to continue without them:{shown}{more}")
-    if not imported.trajectories:
-        return PrepareResult(out, None, len(imported.rejects), 1, rejects_path, imported.skipped,
-                             f"no trajectories imported from {[str(p) for p in list(inputs) + list(train_only)]} "
-                             f"(skipped non-trajectory files: {imported.skipped[:5]})")
+    refusal = _check_import(out, imported, rejects_path, allow_rejects, list(inputs) + list(train_only))
+    if refusal is not None:
+        return refusal
 
     if trim_vocab and model_dir is not None:
         raise ValueError("--trim-vocab builds a compact vocabulary for models trained from scratch; a --model "
@@ -178,52 +153,17 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
     # Render exactly what the split files will hold: they are written with sorted keys, and key order
     # reaches the tokens (tool schemas render as JSON), so normalize before rendering anything.
     trajectories = [json.loads(json.dumps(t, ensure_ascii=False, sort_keys=True)) for t in imported.trajectories]
-    tok = load_tokenizer(model_dir)
-    qwen3_ids = None
-    if trim_vocab:
-        # The train side of the split decides the vocabulary (the test side only falls back to kept pieces).
-        train_side = _split(trajectories, extra_ids, test_fraction, seed)["train"]
-        tok, qwen3_ids = trim_tokenizer(tok, (render_trajectory(t, tok).input_ids for t in train_side))
-    tok_dir = out / "tokenizer"
-    if tok_dir.exists():
-        shutil.rmtree(tok_dir)
-    save_tokenizer(tok, tok_dir)
-    if qwen3_ids is not None:
-        (tok_dir / "qwen3_ids.json").write_text(json.dumps(qwen3_ids) + "\n")
-
-    kept, rendered_by_id, excluded = [], {}, []
-    it = trajectories
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(it, desc="render", unit="traj")
-    for t in it:
-        prefix, retained = apply_capacity(render_trajectory(t, tok), capacity)
-        if prefix is None:
-            excluded.append(t["id"])
-            continue
-        kept.append(t)
-        rendered_by_id[t["id"]] = prefix
+    tok, qwen3_ids, tok_dir = _write_tokenizer(out, trajectories, model_dir=model_dir, trim_vocab=trim_vocab,
+                                               extra_ids=extra_ids, test_fraction=test_fraction, seed=seed)
+    kept, rendered_by_id, excluded = _render_within_capacity(trajectories, tok, capacity, progress)
     splits = _split(kept, extra_ids, test_fraction, seed)
     ids = {s: {t["id"] for t in splits[s]} for s in SPLITS}
     groups = {s: {t["meta"]["group"] for t in splits[s]} for s in SPLITS}
     overlap = {"ids": len(ids["train"] & ids["test"]), "groups": len(groups["train"] & groups["test"])}
     assert overlap == {"ids": 0, "groups": 0}, overlap
 
-    split_info = {}
-    for s in SPLITS:
-        _write_jsonl(out / f"{s}.jsonl", splits[s])
-        split_info[s] = {"file": f"{s}.jsonl", **_split_stats([rendered_by_id[t["id"]] for t in splits[s]], splits[s])}
-    files = {p.relative_to(out).as_posix(): sha256_file(p) for p in sorted([out / f"{s}.jsonl" for s in SPLITS] + [rejects_path] + list(tok_dir.rglob("*"))) if p.is_file()}
-    # provenance: the sha256 of every input file; inputs stored inside DIR (hub downloads) are verified on load too
-    input_files = {}
-    for root in list(inputs) + list(train_only):
-        root = Path(root)
-        for p in sorted(root.rglob("*")) if root.is_dir() else [root]:
-            if p.is_file():
-                input_files[str(p)] = sha256_file(p)
-                if p.resolve().is_relative_to(out.resolve()):
-                    files[p.resolve().relative_to(out.resolve()).as_posix()] = input_files[str(p)]
+    split_info = _write_splits(out, splits, rendered_by_id)
+    files, input_files = _hash_files(out, rejects_path, tok_dir, list(inputs) + list(train_only))
     manifest = {
         "format": MANIFEST_FORMAT,
         "capacity": capacity,
@@ -248,6 +188,109 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
         manifest["hub"] = hub
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return PrepareResult(out, manifest, len(imported.rejects), 0, rejects_path, imported.skipped, "ok")
+
+
+def _import_all(inputs: list[str | Path], train_only: list[str | Path]):
+    """The main inputs and the supplementary train-only inputs as one import, and the train-only ids;
+    refuses train-only ids or groups that the main inputs already use."""
+    imported = import_inputs(inputs)
+    extra_ids: set[str] = set()
+    if train_only:
+        extra = import_inputs(train_only)
+        base_keys = {t["id"] for t in imported.trajectories} | {t["meta"]["group"] for t in imported.trajectories}
+        clash = sorted(base_keys & ({t["id"] for t in extra.trajectories} | {t["meta"]["group"] for t in extra.trajectories}))
+        if clash:
+            raise ValueError(f"--train-only inputs {[str(p) for p in train_only]} reuse {len(clash)} trajectory id(s) or group(s) of "
+                             f"--inputs (first: {clash[0]!r}); generate them with another seed")
+        extra_ids = {t["id"] for t in extra.trajectories}
+        imported.trajectories.extend(extra.trajectories)
+        imported.rejects.extend(extra.rejects)
+        imported.skipped.extend(extra.skipped)
+        imported.duplicate_copies.extend(extra.duplicate_copies)
+        for fmt, n in extra.counts_by_format.items():
+            imported.counts_by_format[fmt] = imported.counts_by_format.get(fmt, 0) + n
+    return imported, extra_ids
+
+
+def _check_import(out: Path, imported, rejects_path: Path, allow_rejects: bool, roots: list) -> PrepareResult | None:
+    """The failed PrepareResult when there are rejects (and not `allow_rejects`) or no trajectories; None
+    when the import can go on."""
+    if imported.rejects and not allow_rejects:
+        stale = out / "manifest.json"
+        if stale.exists():
+            stale.unlink()  # never leave a manifest that does not describe this run
+        shown = "".join(f"\n  {r.describe()}" for r in imported.rejects[:MAX_REJECTS_SHOWN])
+        more = f"\n  … and {len(imported.rejects) - MAX_REJECTS_SHOWN} more" if len(imported.rejects) > MAX_REJECTS_SHOWN else ""
+        return PrepareResult(out, None, len(imported.rejects), 1, rejects_path, imported.skipped,
+                             f"{len(imported.rejects)} malformed record(s), all in {rejects_path}; pass --allow-rejects "
+                             f"to continue without them:{shown}{more}")
+    if not imported.trajectories:
+        return PrepareResult(out, None, len(imported.rejects), 1, rejects_path, imported.skipped,
+                             f"no trajectories imported from {[str(p) for p in roots]} "
+                             f"(skipped non-trajectory files: {imported.skipped[:5]})")
+    return None
+
+
+def _write_tokenizer(out: Path, trajectories: list[dict], *, model_dir: str | None, trim_vocab: bool,
+                     extra_ids: set[str], test_fraction: float, seed: int):
+    """DIR/tokenizer: the model's (or Qwen3's) tokenizer, or with `trim_vocab` a compact vocabulary and its
+    qwen3_ids.json. Returns (tokenizer, the compact vocabulary's Qwen3 ids or None, the folder)."""
+    tok = load_tokenizer(model_dir)
+    qwen3_ids = None
+    if trim_vocab:
+        # The train side of the split decides the vocabulary (the test side only falls back to kept pieces).
+        train_side = _split(trajectories, extra_ids, test_fraction, seed)["train"]
+        tok, qwen3_ids = trim_tokenizer(tok, (render_trajectory(t, tok).input_ids for t in train_side))
+    tok_dir = out / "tokenizer"
+    if tok_dir.exists():
+        shutil.rmtree(tok_dir)
+    save_tokenizer(tok, tok_dir)
+    if qwen3_ids is not None:
+        (tok_dir / "qwen3_ids.json").write_text(json.dumps(qwen3_ids) + "\n")
+    return tok, qwen3_ids, tok_dir
+
+
+def _render_within_capacity(trajectories: list[dict], tok, capacity: int, progress: bool):
+    """Render every trajectory and apply the capacity: (kept trajectories, their rendered prefixes by id,
+    ids of those with no round within capacity)."""
+    kept, rendered_by_id, excluded = [], {}, []
+    it = trajectories
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc="render", unit="traj")
+    for t in it:
+        prefix, retained = apply_capacity(render_trajectory(t, tok), capacity)
+        if prefix is None:
+            excluded.append(t["id"])
+            continue
+        kept.append(t)
+        rendered_by_id[t["id"]] = prefix
+    return kept, rendered_by_id, excluded
+
+
+def _write_splits(out: Path, splits: dict[str, list[dict]], rendered_by_id: dict) -> dict:
+    """DIR/{train,test}.jsonl and each split's manifest entry (file, counts, retained rounds)."""
+    split_info = {}
+    for s in SPLITS:
+        _write_jsonl(out / f"{s}.jsonl", splits[s])
+        split_info[s] = {"file": f"{s}.jsonl", **_split_stats([rendered_by_id[t["id"]] for t in splits[s]], splits[s])}
+    return split_info
+
+
+def _hash_files(out: Path, rejects_path: Path, tok_dir: Path, roots: list) -> tuple[dict, dict]:
+    """(sha256 of every file the manifest verifies, sha256 of every input file). Input files stored
+    inside DIR (hub downloads) are verified on load too; inputs elsewhere are provenance only."""
+    files = {p.relative_to(out).as_posix(): sha256_file(p) for p in sorted([out / f"{s}.jsonl" for s in SPLITS] + [rejects_path] + list(tok_dir.rglob("*"))) if p.is_file()}
+    input_files = {}
+    for root in roots:
+        root = Path(root)
+        for p in sorted(root.rglob("*")) if root.is_dir() else [root]:
+            if p.is_file():
+                input_files[str(p)] = sha256_file(p)
+                if p.resolve().is_relative_to(out.resolve()):
+                    files[p.resolve().relative_to(out.resolve()).as_posix()] = input_files[str(p)]
+    return files, input_files
 
 
 class Manifest:

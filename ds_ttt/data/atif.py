@@ -43,87 +43,10 @@ def _tool_defs(defs) -> list | None:
 
 def atif_to_canonical(doc: dict, *, traj_id: str | None = None, group: str | None = None, source: str = "atif") -> dict:
     """Convert one ATIF document (validated step by step) into a canonical trajectory dict."""
-    if not is_atif(doc):
-        raise ATIFError("not an ATIF document (schema_version must start with 'ATIF')")
-    session = doc.get("session_id")
-    if not isinstance(session, str) or not session:
-        raise ATIFError("missing session_id")
-    agent = doc.get("agent")
-    if not isinstance(agent, dict) or not agent.get("name"):
-        raise ATIFError("missing agent.name")
-    steps = doc.get("steps")
-    if not isinstance(steps, list) or not steps:
-        raise ATIFError("steps must be a non-empty list")
+    session, agent, steps = _check_document(doc)
     messages = []
     for idx, step in enumerate(steps):
-        if not isinstance(step, dict):
-            raise ATIFError("step is not an object", idx + 1)
-        sid = step.get("step_id")
-        if sid != idx + 1:
-            raise ATIFError(f"step_id {sid!r} out of order (expected {idx + 1})", idx + 1)
-        src = step.get("source")
-        msg_text = step.get("message")
-        if not isinstance(msg_text, str):
-            raise ATIFError("message must be a string", sid)
-        obs = step.get("observation") or {}
-        results = obs.get("results") or [] if isinstance(obs, dict) else None
-        if results is None or not isinstance(results, list):
-            raise ATIFError("observation.results must be a list", sid)
-        texts = [("message", msg_text), ("reasoning_content", step.get("reasoning_content") or "")]
-        texts += [(f"observation result {k}", r.get("content") or "") for k, r in enumerate(results) if isinstance(r, dict)]
-        for where, text in texts:
-            bad = contains_control_tokens(text) if isinstance(text, str) else None
-            if bad:
-                raise ATIFError(f"{where} contains the chat-control token {bad} (it would encode as that token and "
-                                f"break the turn structure)", sid)
-        if src == "system":
-            extra = "".join("\n\n" + str(r.get("content", "")) for r in results if isinstance(r, dict))
-            messages.append({"role": "system", "content": msg_text + extra})
-        elif src == "user":
-            messages.append({"role": "user", "content": msg_text})
-        elif src == "agent":
-            msg = {"role": "assistant", "content": msg_text}
-            if step.get("reasoning_content") is not None:
-                if not isinstance(step["reasoning_content"], str):
-                    raise ATIFError("reasoning_content must be a string", sid)
-                msg["reasoning_content"] = step["reasoning_content"]
-            calls = step.get("tool_calls") or []
-            if not isinstance(calls, list):
-                raise ATIFError("tool_calls must be a list", sid)
-            ids = set()
-            oa_calls = []
-            for k, c in enumerate(calls):
-                if not isinstance(c, dict) or not c.get("tool_call_id") or not c.get("function_name"):
-                    raise ATIFError(f"tool call {k} needs tool_call_id and function_name", sid)
-                if "arguments" not in c:
-                    raise ATIFError(f"tool call {c['tool_call_id']} has no arguments", sid)
-                try:
-                    args = normalize_arguments(c["arguments"], sid)
-                except TrajectoryError as e:
-                    raise ATIFError(f"tool call {c['tool_call_id']}: {e.reason}", sid) from None
-                ids.add(c["tool_call_id"])
-                oa_calls.append({"id": c["tool_call_id"], "type": "function", "function": {"name": c["function_name"], "arguments": args}})
-            if oa_calls:
-                msg["tool_calls"] = oa_calls
-            messages.append(msg)
-            texts = []
-            for r in results:
-                if not isinstance(r, dict) or not isinstance(r.get("content", ""), str):
-                    raise ATIFError("observation result must be an object with string content", sid)
-                ref = r.get("source_call_id")
-                if ref is not None and ref not in ids:
-                    raise ATIFError(f"observation source_call_id {ref!r} names no tool call of this step", sid)
-                if oa_calls:
-                    tm = {"role": "tool", "content": r.get("content") or ""}
-                    if ref is not None:
-                        tm["tool_call_id"] = ref
-                    messages.append(tm)
-                else:
-                    texts.append(r.get("content") or "")
-            if texts:
-                messages.append({"role": "user", "content": "\n".join(texts)})
-        else:
-            raise ATIFError(f"unknown step source {src!r}", sid)
+        messages += _step_messages(step, idx)
     extra = doc.get("extra") or {}
     meta = dict(extra.get("meta") or {}) if isinstance(extra, dict) else {}
     meta.setdefault("session_id", session)
@@ -137,6 +60,101 @@ def atif_to_canonical(doc: dict, *, traj_id: str | None = None, group: str | Non
     if tools:
         traj["tools"] = tools
     return traj
+
+
+def _check_document(doc) -> tuple[str, dict, list]:
+    """The document-level fields every ATIF trajectory needs: (session_id, agent, steps)."""
+    if not is_atif(doc):
+        raise ATIFError("not an ATIF document (schema_version must start with 'ATIF')")
+    session = doc.get("session_id")
+    if not isinstance(session, str) or not session:
+        raise ATIFError("missing session_id")
+    agent = doc.get("agent")
+    if not isinstance(agent, dict) or not agent.get("name"):
+        raise ATIFError("missing agent.name")
+    steps = doc.get("steps")
+    if not isinstance(steps, list) or not steps:
+        raise ATIFError("steps must be a non-empty list")
+    return session, agent, steps
+
+
+def _step_messages(step, idx: int) -> list[dict]:
+    """The canonical messages of step `idx` (0-based): a system or user message, or an agent's assistant
+    turn followed by its observation (tool results, or one user message without tool calls)."""
+    if not isinstance(step, dict):
+        raise ATIFError("step is not an object", idx + 1)
+    sid = step.get("step_id")
+    if sid != idx + 1:
+        raise ATIFError(f"step_id {sid!r} out of order (expected {idx + 1})", idx + 1)
+    src = step.get("source")
+    msg_text = step.get("message")
+    if not isinstance(msg_text, str):
+        raise ATIFError("message must be a string", sid)
+    obs = step.get("observation") or {}
+    results = obs.get("results") or [] if isinstance(obs, dict) else None
+    if results is None or not isinstance(results, list):
+        raise ATIFError("observation.results must be a list", sid)
+    texts = [("message", msg_text), ("reasoning_content", step.get("reasoning_content") or "")]
+    texts += [(f"observation result {k}", r.get("content") or "") for k, r in enumerate(results) if isinstance(r, dict)]
+    for where, text in texts:
+        bad = contains_control_tokens(text) if isinstance(text, str) else None
+        if bad:
+            raise ATIFError(f"{where} contains the chat-control token {bad} (it would encode as that token and "
+                            f"break the turn structure)", sid)
+    if src == "system":
+        extra = "".join("\n\n" + str(r.get("content", "")) for r in results if isinstance(r, dict))
+        return [{"role": "system", "content": msg_text + extra}]
+    if src == "user":
+        return [{"role": "user", "content": msg_text}]
+    if src == "agent":
+        return _agent_messages(step, sid, msg_text, results)
+    raise ATIFError(f"unknown step source {src!r}", sid)
+
+
+def _agent_messages(step: dict, sid: int, msg_text: str, results: list) -> list[dict]:
+    """An agent step: the assistant message (reasoning, tool calls) and its observation results."""
+    messages = []
+    msg = {"role": "assistant", "content": msg_text}
+    if step.get("reasoning_content") is not None:
+        if not isinstance(step["reasoning_content"], str):
+            raise ATIFError("reasoning_content must be a string", sid)
+        msg["reasoning_content"] = step["reasoning_content"]
+    calls = step.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise ATIFError("tool_calls must be a list", sid)
+    ids = set()
+    oa_calls = []
+    for k, c in enumerate(calls):
+        if not isinstance(c, dict) or not c.get("tool_call_id") or not c.get("function_name"):
+            raise ATIFError(f"tool call {k} needs tool_call_id and function_name", sid)
+        if "arguments" not in c:
+            raise ATIFError(f"tool call {c['tool_call_id']} has no arguments", sid)
+        try:
+            args = normalize_arguments(c["arguments"], sid)
+        except TrajectoryError as e:
+            raise ATIFError(f"tool call {c['tool_call_id']}: {e.reason}", sid) from None
+        ids.add(c["tool_call_id"])
+        oa_calls.append({"id": c["tool_call_id"], "type": "function", "function": {"name": c["function_name"], "arguments": args}})
+    if oa_calls:
+        msg["tool_calls"] = oa_calls
+    messages.append(msg)
+    texts = []
+    for r in results:
+        if not isinstance(r, dict) or not isinstance(r.get("content", ""), str):
+            raise ATIFError("observation result must be an object with string content", sid)
+        ref = r.get("source_call_id")
+        if ref is not None and ref not in ids:
+            raise ATIFError(f"observation source_call_id {ref!r} names no tool call of this step", sid)
+        if oa_calls:
+            tm = {"role": "tool", "content": r.get("content") or ""}
+            if ref is not None:
+                tm["tool_call_id"] = ref
+            messages.append(tm)
+        else:
+            texts.append(r.get("content") or "")
+    if texts:
+        messages.append({"role": "user", "content": "\n".join(texts)})
+    return messages
 
 
 def canonical_to_atif(traj: dict, *, agent_name: str = "ds_ttt-generator", agent_version: str = "0.1.0",

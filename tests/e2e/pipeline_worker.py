@@ -6,8 +6,8 @@ engine, recording the loss and every parameter's update.
 Runs these layouts in one launch (4 CPU ranks): "pp4" = 4 stages x 1 dp, ZeRO-0, no clipping;
 "pp2dp2" = 2 stages x 2 dp, ZeRO-1, gradient clipping at a norm the gradients exceed, with a weighted
 observation loss; "bug_pp4_zero0_clip" = 4 stages with clipping but without ZeRO (DeepSpeed 0.19.8 clips with stage 0's norm only: the
-trainer refuses it); "sft_pp4" = the SFT baseline (adaptive_layers=0, no inner loop, frozen stages
-0-2); "prime_pp4" / "prime_pp2dp2" = trainable_scope 'prime' (the 8B default: stages without a
+trainer refuses it); "sft_pp4" = no adaptive layers under trainable_scope 'suffix' (no inner loop, frozen stages
+0-2; only the final norm and head train: the pipeline case of a frozen prefix, not the SFT recipe, which is 'all'); "prime_pp4" / "prime_pp2dp2" = trainable_scope 'prime' (the 8B default: stages without a
 trainable parameter run no backward); "tied_pp4" = tied embeddings (TiedLayerSpec between stage 0 and
 the last stage; 4 stages, ZeRO-1, clipping: cpu_tiny's layout); "pp4" and "tied_pp4" load their
 backbone from an untied / tied checkpoint written by transformers' save_pretrained (HF_LOADED); "prime_pp4_bf16" = the Qwen3-8B

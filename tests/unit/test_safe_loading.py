@@ -19,7 +19,7 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SCANNED = ("ds_ttt", "launch", "evals", "data_prep", "benchmarks")
+SCANNED = ("ds_ttt", "launch", "evals", "data_prep", "benchmarks", "gpu_check")
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "joblib", "cloudpickle"}
 
 

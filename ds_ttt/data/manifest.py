@@ -78,7 +78,7 @@ def assign_splits(trajs: list[dict], test_fraction: float, seed: int) -> dict[st
             test_groups = {min(groups, key=score.get)}
         elif len(test_groups) == len(groups):
             test_groups.discard(max(groups, key=score.get))
-    out = {s: [] for s in SPLITS}
+    out = {split: [] for split in SPLITS}
     for t in sorted(trajs, key=lambda t: t["id"]):
         out["test" if t["meta"]["group"] in test_groups else "train"].append(t)
     return out
@@ -157,8 +157,8 @@ def prepare(inputs: list[str | Path], out: str | Path, *, capacity: int = 4096, 
                                                extra_ids=extra_ids, test_fraction=test_fraction, seed=seed)
     kept, rendered_by_id, excluded = _render_within_capacity(trajectories, tok, capacity, progress)
     splits = _split(kept, extra_ids, test_fraction, seed)
-    ids = {s: {t["id"] for t in splits[s]} for s in SPLITS}
-    groups = {s: {t["meta"]["group"] for t in splits[s]} for s in SPLITS}
+    ids = {split: {t["id"] for t in splits[split]} for split in SPLITS}
+    groups = {split: {t["meta"]["group"] for t in splits[split]} for split in SPLITS}
     overlap = {"ids": len(ids["train"] & ids["test"]), "groups": len(groups["train"] & groups["test"])}
     assert overlap == {"ids": 0, "groups": 0}, overlap
 
@@ -272,16 +272,18 @@ def _render_within_capacity(trajectories: list[dict], tok, capacity: int, progre
 def _write_splits(out: Path, splits: dict[str, list[dict]], rendered_by_id: dict) -> dict:
     """DIR/{train,test}.jsonl and each split's manifest entry (file, counts, retained rounds)."""
     split_info = {}
-    for s in SPLITS:
-        _write_jsonl(out / f"{s}.jsonl", splits[s])
-        split_info[s] = {"file": f"{s}.jsonl", **_split_stats([rendered_by_id[t["id"]] for t in splits[s]], splits[s])}
+    for split in SPLITS:
+        _write_jsonl(out / f"{split}.jsonl", splits[split])
+        rendered = [rendered_by_id[t["id"]] for t in splits[split]]
+        split_info[split] = {"file": f"{split}.jsonl", **_split_stats(rendered, splits[split])}
     return split_info
 
 
 def _hash_files(out: Path, rejects_path: Path, tok_dir: Path, roots: list) -> tuple[dict, dict]:
     """(sha256 of every file the manifest verifies, sha256 of every input file). Input files stored
     inside DIR (hub downloads) are verified on load too; inputs elsewhere are provenance only."""
-    files = {p.relative_to(out).as_posix(): sha256_file(p) for p in sorted([out / f"{s}.jsonl" for s in SPLITS] + [rejects_path] + list(tok_dir.rglob("*"))) if p.is_file()}
+    listed = sorted([out / f"{split}.jsonl" for split in SPLITS] + [rejects_path] + list(tok_dir.rglob("*")))
+    files = {p.relative_to(out).as_posix(): sha256_file(p) for p in listed if p.is_file()}
     input_files = {}
     for root in roots:
         root = Path(root)
@@ -302,7 +304,7 @@ class Manifest:
         self.data = data
         self.sha256 = sha256
         self.capacity: int = data["capacity"]
-        self.splits: list[str] = [s for s in SPLITS if s in data["splits"]] + sorted(set(data["splits"]) - set(SPLITS))
+        self.splits: list[str] = [split for split in SPLITS if split in data["splits"]] + sorted(set(data["splits"]) - set(SPLITS))
         self._tok = None
 
     def tokenizer(self):
@@ -359,7 +361,7 @@ def load_manifest(path: str | Path) -> Manifest:
             raise ManifestError(f"{f}: sha256 mismatch (manifest {digest[:12]}…, file {got[:12]}…); the file changed after prepare")
     if data["tokenizer"]["hash"] != data["files"].get(f"{data['tokenizer']['dir']}/tokenizer.json"):
         raise ManifestError(f"{path}: tokenizer hash does not match tokenizer/tokenizer.json")
-    ids = {s: set(v["retained_rounds"]) for s, v in data["splits"].items()}
+    ids = {split: set(v["retained_rounds"]) for split, v in data["splits"].items()}
     names = list(ids)
     for i, a in enumerate(names):
         for b in names[i + 1:]:

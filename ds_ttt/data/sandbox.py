@@ -542,6 +542,13 @@ class Sandbox:
 
     def _request(self, kind: str, payload: str, command: str, timeout: float | None,
                  max_output_bytes: int | None = None) -> CommandResult:
+        """Send one command to the persistent shell and collect its result: (re)start the shell, drop a
+        background fork bomb's leftovers, write the request, read until the status, stop it at the
+        timeout or the output cap, recover a shell that died or hung, check the process limit.
+
+        One function on purpose: these steps share the output buffers, the process set from before the
+        command and the stop marks, and their order is the protocol with the shell (what is drained
+        when, what is killed before what), which reads best in one place."""
         if "\0" in payload:
             return CommandResult(command, "[error: the command contains a NUL byte]", 2)
         if self._proc is not None and self._proc.poll() is not None:

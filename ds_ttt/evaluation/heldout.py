@@ -43,16 +43,16 @@ def exposure(provenance: dict, manifest, split: str = "test", ids: set[str] | No
         import json
 
         stages = json.loads(pathlib.Path(ids_path).read_text())["stages"]
-        trained = {i for st in stages for i in st["train"]}
+        trained = {i for stage in stages for i in stage["train"]}
         ids = {t["id"] for t in eval_trajs}
         overlap = len(ids & trained)
-        same = [st["data_stage"] for st in stages if st.get("sha256") == manifest.sha256]
+        same = [stage["data_stage"] for stage in stages if stage.get("sha256") == manifest.sha256]
         where = f"test split of training stage {same[0]}'s manifest; " if same else "not a training manifest; "
         return {"label": "held_out" if overlap == 0 else "exposed",
                 "detail": f"{where}{overlap} of {len(ids)} trajectories among the {len(trained)} trained ids "
                           f"of {len(stages)} data stage(s)",
                 "training_manifest_sha256": train_sha, "overlap_ids": overlap,
-                "data_stages": [{"data_stage": st["data_stage"], "sha256": st.get("sha256")} for st in stages]}
+                "data_stages": [{"data_stage": stage["data_stage"], "sha256": stage.get("sha256")} for stage in stages]}
     if train_sha and train_sha == manifest.sha256:
         return {"label": "held_out", "detail": f"{split} split of the training manifest (group-disjoint from train)",
                 "training_manifest_sha256": train_sha}

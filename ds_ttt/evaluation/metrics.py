@@ -159,8 +159,8 @@ def summarize(rounds: list[RoundMetrics]) -> dict:
         "obs_exact_count": [int(sum(o_em)), len(o_em)],
         "memory_fact_exact": div(sum(facts), len(facts)),
         "memory_fact_count": [int(sum(facts)), len(facts)],
-        # the issue-7 targets: whole-action exact match where an earlier fact is needed, and the action
-        # after a failing command
+        # what adaptation should improve: whole-action exact match where an earlier fact is needed, and
+        # the action after a failing command
         "memory_action_exact": div(sum(mem_em), len(mem_em)),
         "memory_action_exact_count": [int(sum(mem_em)), len(mem_em)],
         "memory_action_nll": div(sum(r.action_nll_sum for r in mem), sum(r.action_tokens for r in mem)),

@@ -182,7 +182,7 @@ def test_family_metadata():
 
 def test_shell_state_families_need_the_persistent_shell(monkeypatch):
     """The cd / export / background-job families pass in the episode's one shell and fail where every
-    command gets a fresh shell (the sandbox before issue 22)."""
+    command gets a fresh shell (`Sandbox.run_fresh`)."""
     from ds_ttt.data import shell_families
 
     trajs = generate(9, 5, workers=1, family="shell_state")

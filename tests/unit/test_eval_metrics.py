@@ -173,7 +173,7 @@ def test_context_policy_override_equals_a_model_configured_with_it(tiny_qwen3_co
     for m in ("ttt", "frozen"):
         assert res_over["summary"][m] == res_full["summary"][m]
         assert res_over["per_round"][m] == res_full["per_round"][m]
-    # the override matters: attention now sees earlier rounds, which current_round hid
+    # the override matters: under it attention sees earlier rounds, which current_round hides
     frozen_nll = res_cur["summary"]["frozen"]["action_nll"]
     assert res_over["summary"]["frozen"]["action_nll"] != pytest.approx(frozen_nll, rel=1e-6)
     set_context_policy(trained, "window", window=5)

@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, Qwen3Config
 
 from ds_ttt import loading
-from ds_ttt.data.tokenizer import QWEN3_ADDED_TOKENS, save_tokenizer
+from ds_ttt.data.tokenizer import QWEN3_ADDED_TOKENS, QWEN3_IDS_FILE, save_tokenizer
 from ds_ttt.loading import DATA_IDS_FILE, EXPORT_FORMAT, TTT_CONFIG_FILE, config_sha256, is_tied, tokenizer_record
 # re-export for ds_ttt/serve until the lead updates it
 from ds_ttt.loading import check_tokenizer_fits, load_for_inference  # noqa: F401
@@ -57,7 +57,7 @@ PRIME_FILE = "prime.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 LM_HEAD = "lm_head.weight"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "qwen3_ids.json")
+                   QWEN3_IDS_FILE)
 # Qwen3's end tokens, for a model exported without a tokenizer (a tokenizer gives its own ids)
 _QWEN3_TOKEN_IDS = {content: tid for tid, content, _ in QWEN3_ADDED_TOKENS}
 IM_END_ID, ENDOFTEXT_ID = _QWEN3_TOKEN_IDS["<|im_end|>"], _QWEN3_TOKEN_IDS["<|endoftext|>"]

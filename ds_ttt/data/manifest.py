@@ -43,7 +43,7 @@ from pathlib import Path
 from .capacity import apply_capacity
 from .importers import import_inputs
 from .render import RenderedTrajectory, TokenKind, render_trajectory
-from .tokenizer import load_tokenizer, save_tokenizer
+from .tokenizer import QWEN3_IDS_FILE, load_tokenizer, save_tokenizer
 from .vocab_trim import trim_tokenizer
 
 MANIFEST_FORMAT = "ds_ttt-manifest-v1"
@@ -246,7 +246,7 @@ def _write_tokenizer(out: Path, trajectories: list[dict], *, model_dir: str | No
         shutil.rmtree(tok_dir)
     save_tokenizer(tok, tok_dir)
     if qwen3_ids is not None:
-        (tok_dir / "qwen3_ids.json").write_text(json.dumps(qwen3_ids) + "\n")
+        (tok_dir / QWEN3_IDS_FILE).write_text(json.dumps(qwen3_ids) + "\n")
     return tok, qwen3_ids, tok_dir
 
 

@@ -273,8 +273,8 @@ def _run_info_dict(info) -> dict:
 
 
 def load_training_checkpoint(path: str | pathlib.Path, device: str = "cpu"):
-    """The trainer's loader (ds_ttt/train/checkpoint.py) -> (model, RunInfo). One seam for tests."""
-    from ds_ttt.train.checkpoint import load_model_from_checkpoint
+    """The trainer's loader (ds_ttt/train/reassembly.py) -> (model, RunInfo). One seam for tests."""
+    from ds_ttt.train.reassembly import load_model_from_checkpoint
 
     return load_model_from_checkpoint(str(path), device=device)
 

@@ -27,7 +27,7 @@ def main() -> None:
     args = ap.parse_args()
     from ds_ttt.data.render import render_trajectory
     from ds_ttt.evaluation.memory import memory_worlds
-    from ds_ttt.export import load_for_inference
+    from ds_ttt.loading import load_for_inference
 
     loaded = load_for_inference(args.checkpoint)
     model, tok = loaded.model, loaded.tokenizer

@@ -48,8 +48,6 @@ from transformers import GenerationConfig, Qwen3Config
 from ds_ttt import loading
 from ds_ttt.data.tokenizer import QWEN3_ADDED_TOKENS, QWEN3_IDS_FILE, save_tokenizer
 from ds_ttt.loading import DATA_IDS_FILE, EXPORT_FORMAT, TTT_CONFIG_FILE, config_sha256, is_tied, tokenizer_record
-# re-export for ds_ttt/serve until the lead updates it
-from ds_ttt.loading import check_tokenizer_fits, load_for_inference  # noqa: F401
 from ds_ttt.model.hf_adapter import is_prime_param
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 

@@ -5,6 +5,7 @@
   atif.py        ATIF <-> canonical;  importers.py: ATIF, Terminus-2 trial folders, OpenAI JSONL
   token_kind.py  TokenKind: the one definition of a token's kind (pad / context / action / observation)
   render.py      Qwen3 chat rendering -> ids + TokenKind + round per token (trainer, evals, serving)
+  synthetic.py   seeded synthetic trajectories (ids + TokenKind + rounds) for benchmarks and the GPU check
   capacity.py    valid-prefix capacity rule;  manifest.py: prepare / load_manifest;  hub.py: pinned download
   sandbox.py, families.py, generator.py   the real-shell trajectory generator (+ generate_memory_world);
                  sandbox_init.py is the first process inside a sandbox (run as a script, not imported)

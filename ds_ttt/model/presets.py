@@ -43,8 +43,9 @@ PRESETS = {
     "qwen3-8b": qwen3_8b_config,
     "tiny": tiny_qwen3_config,
     "tiny-128": lambda: tiny_qwen3_config(hidden_size=128, intermediate_size=256, head_dim=32),
-    # the main job's model (ds_configs/run_cpu_tiny.json): 5 layers = 3 frozen-path layers for pipeline stages 0-2 and
-    # 2 adaptive layers on stage 3; wide enough to store facts, small enough for ~1 step/s on a CPU core
+    # the main job's model (ds_configs/run_cpu_tiny.json): 5 layers = 3 frozen-path layers and 2 adaptive layers (one
+    # layer per stage of the 4-stage cpu_tiny.json layout, both adaptive ones on the last); wide enough to store facts,
+    # small enough for the main job's 1,000 steps on 2 CPU cores
     "tiny-mem": lambda: tiny_qwen3_config(num_hidden_layers=5, hidden_size=128, intermediate_size=256, head_dim=32),
 }
 

@@ -298,7 +298,8 @@ class TTTQwen3ForCausalLM(nn.Module):
             p.requires_grad_(any(is_trainable(n, scope, self.first_adaptive) for n in aliases(name, self.config)))
         if self.num_adaptive == 0 and scope == "prime":
             raise ValueError("trainable_scope='prime' with adaptive_layers=0 trains nothing; "
-                             "use 'suffix' or 'all' for the SFT baseline")
+                             "use 'all' for the SFT baseline (the whole backbone; 'suffix' without adaptive layers "
+                             "trains only the final norm and LM head)")
 
 
 def is_suffix_param(name: str, first_adaptive: int) -> bool:

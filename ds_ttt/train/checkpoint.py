@@ -42,7 +42,6 @@ import torch
 from ds_ttt.train.atomic_io import fsync_path, fsync_tree, write_json_atomic, write_text_atomic
 from ds_ttt.train.rng_state import capture_rng_state, load_rng_state, restore_rng_state, rng_state_file
 from ds_ttt.train.run_record import DATA_IDS, RUN_CONFIG
-from ds_ttt.train.run_record import RunInfo  # noqa: F401  imported from here by tests/unit/{test_serve_http,serve_cases,test_export}.py
 from ds_ttt.train.safe_loading import use_safe_loading
 
 LATEST = "latest"
@@ -83,13 +82,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> pathlib.Path:
         return path
     raise FileNotFoundError(f"{path}: neither a RUN_DIR with a '{LATEST}' file nor a complete checkpoint directory "
                             f"(one with {COMPLETE} and {RUN_CONFIG}); has the run saved a checkpoint yet?")
-
-
-def load_model_from_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"):
-    """ds_ttt/train/reassembly.py's `load_model_from_checkpoint`, kept under this name for ds_ttt/export.py
-    until it imports it from there."""
-    from ds_ttt.train.reassembly import load_model_from_checkpoint as reassemble
-    return reassemble(path, device)
 
 
 def final_name(run_dir: pathlib.Path, tag: str) -> str:

@@ -5,7 +5,7 @@ observation tokens): loss and gradients, for
   - 2 stages x 2 dp with ZeRO-1 gradient clipping and a weighted observation loss (the clipped update
     equals torch's clip_grad_norm_ on the reference; DeepSpeed 0.19.8 gets fp32 pipeline clipping
     without ZeRO wrong, which the trainer rejects at startup);
-  - the SFT baseline (adaptive_layers=0) on 4 stages;
+  - no adaptive layers (adaptive_layers=0, the trainable norm + head of 'suffix') on 4 stages;
   - trainable_scope 'prime' (frozen stages send gradient-free boundaries) on 4 stages and on 2 x 2 dp;
   - tied embeddings (TiedLayerSpec) on 4 stages with ZeRO-1 clipping (cpu_tiny's engine layout);
     it and the 4 x 1 layout load their backbone from tied / untied checkpoints that transformers'

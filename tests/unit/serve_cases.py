@@ -86,7 +86,7 @@ def build_trimmed_export(root: pathlib.Path) -> pathlib.Path:
     from ds_ttt.data.manifest import load_manifest, prepare
     from ds_ttt.model.presets import tiny_qwen3_config
     from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
-    from ds_ttt.train.checkpoint import RunInfo
+    from ds_ttt.train.run_record import RunInfo
 
     worlds = _worlds(3)
     loops = [tool_loop_trajectory(i) for i in range(len(TASKS))]

@@ -126,7 +126,7 @@ def test_load_export_rejects_a_tampered_prime_file(tmp_path, tiny_qwen3_config):
 def test_export_from_a_training_checkpoint(tmp_path, tiny_qwen3_config, monkeypatch):
     """checkpoint -> (the trainer's loader, its weights faked here; its RunInfo real) -> export with
     provenance (weights-only checkpoint hash), the trainer's data_ids.json and the tokenizer."""
-    from ds_ttt.train.checkpoint import RunInfo
+    from ds_ttt.train.run_record import RunInfo
 
     tiny_qwen3_config.vocab_size = 151936  # Qwen3's vocabulary: the export may take Qwen3's own tokenizer
     model = trained_like_model(tiny_qwen3_config, context_policy="current_round")

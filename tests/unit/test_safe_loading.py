@@ -117,7 +117,7 @@ def test_deepspeed_loader_is_weights_only_with_its_objects_allowed(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from ds_ttt.train.checkpoint import use_safe_loading
+    from ds_ttt.train.safe_loading import use_safe_loading
 
     engine = types.SimpleNamespace(checkpoint_engine=TorchCheckpointEngine(None), _config=None)
     use_safe_loading(engine)
@@ -133,7 +133,7 @@ def test_deepspeed_loader_is_weights_only_with_its_objects_allowed(tmp_path):
 
 
 def test_other_checkpoint_engines_are_refused():
-    from ds_ttt.train.checkpoint import use_safe_loading
+    from ds_ttt.train.safe_loading import use_safe_loading
 
     class NebulaLike:
         pass

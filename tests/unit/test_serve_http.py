@@ -406,7 +406,7 @@ def test_trimmed_export_without_its_tokenizer_or_with_another_is_refused(trimmed
 def test_checkpoint_tokenizer_is_checked_against_the_training_manifest(trimmed, tmp_path, monkeypatch):
     from ds_ttt import loading
     from ds_ttt.loading import load_export, load_for_inference
-    from ds_ttt.train.checkpoint import RunInfo
+    from ds_ttt.train.run_record import RunInfo
 
     data = tmp_path / "data"
     shutil.copytree(trimmed / "data", data)
@@ -430,13 +430,13 @@ def test_checkpoint_tokenizer_is_checked_against_the_training_manifest(trimmed, 
 
 
 def test_checkpoint_tokenizer_is_checked_against_the_hash_recorded_at_training(trimmed, tmp_path, monkeypatch):
-    """run_config.json's "tokenizer" (written by the trainer, engine.manifest_tokenizer) is the record: it
+    """run_config.json's "tokenizer" (written by the trainer, run_record.manifest_tokenizer) is the record: it
     holds without the manifest, and a changed tokenizer is refused naming both hashes."""
     from ds_ttt import loading
     from ds_ttt.data.manifest import load_manifest
     from ds_ttt.loading import load_export, load_for_inference
-    from ds_ttt.train.checkpoint import RunInfo
-    from ds_ttt.train.engine import manifest_tokenizer
+    from ds_ttt.train.run_record import RunInfo
+    from ds_ttt.train.run_record import manifest_tokenizer
 
     data = tmp_path / "data"
     shutil.copytree(trimmed / "data", data)

@@ -1,6 +1,6 @@
 """Serving many sessions at once: the batched server against today's server, on the same export, in one run.
 
-    cd /work/main && nice -n 19 .venv/bin/python benchmarks/serve_concurrency.py           # ~5-10 min
+    .venv/bin/python benchmarks/serve_concurrency.py           # ~17 min: 1,4,8,16 sessions, 256 tokens, 5 repeats + 12 paired rounds
     .venv/bin/python benchmarks/serve_concurrency.py --levels 1,8 --max-tokens 32 --repeats 1   # quick look
 
 Three servers, each `python -m ds_ttt.serve.http` in its own process (OMP_NUM_THREADS=1 each, so the
@@ -22,6 +22,10 @@ generate the same tokens). Measured per server and level (medians over repeats):
                        in them (GET /health "scheduler" before and after the level): the batch's decode
                        rate without the prefill and turn-end chunks interleaved with it
   per-token latency    per request: its wall time / its completion tokens; p50 and p95 over requests
+Then a paired phase (--pairs rounds): the batched server alone runs its levels back to back, and each
+round gives the ratio of every level to one session measured side by side (this VM's speed drifts by
+tens of percent over seconds, so ratios across the interleaved table above are noisier); reported as
+the median with a bootstrap 95% interval over rounds.
 Every request starts a new conversation with the same system prompt and tools, so from the warm-up on
 this tree's servers take the system block from their prompt cache (ds_ttt/serve/prefix_cache.py), as a
 fleet's sessions do; today's server prefills it every time.
@@ -39,6 +43,7 @@ import json
 import os
 import pathlib
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -119,8 +124,10 @@ def level(url: str, model: str, n: int, max_tokens: int, tools: list, system: st
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levels", default="1,4,8,16")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=256, help="reply length (long enough that one session's level lasts ~1 s)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--pairs", type=int, default=12, help="rounds of the batched server's levels back to back "
+                   "(the paired scaling ratio)")
     p.add_argument("--base", default=DEFAULT_BASE, help="commit of today's (unbatched) server")
     p.add_argument("--max-load", type=float, default=2.5, help="wait until the 1-min load average is below this")
     p.add_argument("--wide", action="store_true",
@@ -169,9 +176,18 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
                 for name, (_, url) in servers.items():
                     res = level(url, model, n, args.max_tokens, [BASH_TOOL], SYSTEM_PROMPT, f"r{rep}")
                     runs[name][n].append(res)
-                    print(f"rep {rep} N={n:2d} {name:9s} {res['tokens_per_s']:8.1f} tok/s  p50 {res['p50_ms']:.1f} ms"
+                    dec = f"  decode {res['decode_tokens_per_s']:.1f} tok/s" if res["decode_tokens_per_s"] else ""
+                    print(f"rep {rep} N={n:2d} {name:9s} {res['tokens_per_s']:8.1f} tok/s{dec}  p50 {res['p50_ms']:.1f} ms"
                           f"  p95 {res['p95_ms']:.1f} ms  ({res['tokens']} tokens, {res['wall_s']:.2f} s)",
                           file=sys.stderr, flush=True)
+        # the batched server alone, its levels back to back in rounds: the scaling ratio measured side by side
+        paired: dict = {n: [] for n in levels}
+        for rnd in range(args.pairs):
+            for n in levels:
+                paired[n].append(level(servers["batched"][1], model, n, args.max_tokens, [BASH_TOOL], SYSTEM_PROMPT,
+                                       f"p{rnd}"))
+            print(f"round {rnd}: decode tokens/s " + ", ".join(f"{n}: {paired[n][-1]['decode_tokens_per_s']:.0f}"
+                                                              for n in levels), file=sys.stderr, flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -189,14 +205,18 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
                 table[name][n]["decode_tokens_per_s"] = statistics.median(r["decode_tokens_per_s"] for r in rs)
     # the same greedy replies from every server (a check that they did the same work)
     same = all(runs[a][n][0]["replies"] == runs["today"][n][0]["replies"] for a in runs for n in levels)
-    one = table["batched"][levels[0]]["tokens_per_s"]
     res = {"base_commit": base_sha, "model": model_info, "levels": levels, "max_tokens": args.max_tokens,
            "repeats": args.repeats, "table": table, "same_replies": same,
-           "speedup_vs_one": {n: table["batched"][n]["tokens_per_s"] / one for n in levels},
-           "decode_speedup_vs_one": {n: table["batched"][n]["decode_tokens_per_s"]
-                                     / table["batched"][levels[0]]["decode_tokens_per_s"] for n in levels},
-           "speedup_vs_today": {n: table["batched"][n]["tokens_per_s"] / table["today"][n]["tokens_per_s"]
-                                for n in levels},
+           # ratios within each repeat (the levels of one repeat run back to back), then median [min, max]
+           "speedup_vs_one": ratios(runs["batched"], runs["batched"], levels, "tokens_per_s", base=levels[0]),
+           "decode_speedup_vs_one": ratios(runs["batched"], runs["batched"], levels, "decode_tokens_per_s",
+                                           base=levels[0]),
+           "speedup_vs_best_one": ratios(runs["batched"], best_single(runs, levels[0]), levels, "tokens_per_s",
+                                         base=levels[0]),
+           "speedup_vs_today": ratios(runs["batched"], runs["today"], levels, "tokens_per_s"),
+           "pairs": args.pairs,
+           "paired_decode_speedup": paired_ratios(paired, levels, "decode_tokens_per_s"),
+           "paired_speedup": paired_ratios(paired, levels, "tokens_per_s"),
            "load_start": load_start, "load_end": load_end, "cpu_count": os.cpu_count(),
            "platform": platform.platform(), "python": platform.python_version()}
     out = pathlib.Path(args.out)
@@ -207,6 +227,34 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
     (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))
     return 0 if same else 1
+
+
+def ratios(num: dict, den: dict, levels: list[int], key: str, base: int | None = None) -> dict:
+    """Per level n: num[n][r][key] / den[base or n][r][key] for each repeat r -> median, min, max."""
+    out = {}
+    for n in levels:
+        rs = [a[key] / b[key] for a, b in zip(num[n], den[n if base is None else base])]
+        out[n] = {"median": statistics.median(rs), "min": min(rs), "max": max(rs)}
+    return out
+
+
+def paired_ratios(paired: dict, levels: list[int], key: str, resamples: int = 2000) -> dict:
+    """Per level n: the ratio n / levels[0] within each round; its median with a percentile-bootstrap 95%
+    interval over rounds."""
+    rng = random.Random(0)
+    out = {}
+    for n in levels:
+        rs = [a[key] / b[key] for a, b in zip(paired[n], paired[levels[0]])]
+        boot = sorted(statistics.median(rng.choices(rs, k=len(rs))) for _ in range(resamples))
+        out[n] = {"median": statistics.median(rs), "lo": boot[int(0.025 * resamples)],
+                  "hi": boot[int(0.975 * resamples) - 1], "ratios": rs}
+    return out
+
+
+def best_single(runs: dict, one: int) -> dict:
+    """Per repeat, the fastest server at one session (the strongest single-session baseline)."""
+    reps = len(runs["batched"][one])
+    return {one: [max((runs[name][one][r] for name in runs), key=lambda x: x["tokens_per_s"]) for r in range(reps)]}
 
 
 def markdown(res: dict) -> str:
@@ -228,12 +276,27 @@ def markdown(res: dict) -> str:
             r = rows[n] if n in rows else rows[str(n)]
             dec = f"{r['decode_tokens_per_s']:.1f}" if r.get("decode_tokens_per_s") else "-"
             lines.append(f"| {n} | {name} | {r['tokens_per_s']:.1f} | {dec} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} |")
-    lines += ["", "Batched aggregate vs one session: " + ", ".join(
-        f"{n}: x{v:.2f}" for n, v in res["speedup_vs_one"].items()),
-        "Batched decode tokens/s vs one session: " + ", ".join(
-        f"{n}: x{v:.2f}" for n, v in res["decode_speedup_vs_one"].items()),
-        "Batched vs today's server at the same concurrency: " + ", ".join(
-        f"{n}: x{v:.2f}" for n, v in res["speedup_vs_today"].items()), ""]
+    def row(label: str, key: str) -> str:
+        return f"| {label} | " + " | ".join(f"x{v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}]"
+                                            for v in res[key].values()) + " |"
+    lines += ["", f"Ratios per repeat (the levels of one repeat run back to back), median [min, max] over "
+              f"{res['repeats']} repeats:", "",
+              "| ratio | " + " | ".join(f"{n} sessions" for n in res["levels"]) + " |",
+              "|---|" + "---|" * len(res["levels"]),
+              row("batched decode tokens/s vs batched at one session", "decode_speedup_vs_one"),
+              row("batched aggregate vs batched at one session", "speedup_vs_one"),
+              row("batched aggregate vs the fastest server at one session", "speedup_vs_best_one"),
+              row("batched aggregate vs today's server at the same concurrency", "speedup_vs_today"), ""]
+
+    def paired_row(label: str, key: str) -> str:
+        return f"| {label} | " + " | ".join(f"x{v['median']:.2f} [{v['lo']:.2f}, {v['hi']:.2f}]"
+                                            for v in res[key].values()) + " |"
+    lines += [f"Paired: the batched server alone, its levels back to back in each of {res['pairs']} rounds (the "
+              "ratio to one session within a round); median with a bootstrap 95% interval over rounds:", "",
+              "| ratio | " + " | ".join(f"{n} sessions" for n in res["levels"]) + " |",
+              "|---|" + "---|" * len(res["levels"]),
+              paired_row("batched decode tokens/s vs one session", "paired_decode_speedup"),
+              paired_row("batched aggregate tokens/s vs one session", "paired_speedup"), ""]
     return "\n".join(lines)
 
 

@@ -63,8 +63,8 @@ class WeightStacks:
         return self.weights
 
 
-def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = None) -> list[torch.Tensor]:
-    """The logits [V] of each row's next token (call under torch.inference_mode, caches grown)."""
+def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = None) -> torch.Tensor:
+    """The logits [B, V] of each row's next token (call under torch.inference_mode, caches grown)."""
     m, dev = agent.model, agent.device
     b = len(decodes)
     ids = torch.tensor([[d.action[-1]] for d in decodes], device=dev)
@@ -108,5 +108,4 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
         for r, cache in enumerate(caches):
             cache.key_tail = (slots[r] + 1, last_rows[r])
     logits = m.lm_head(m.model.norm(h[:, -1]))
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return list(logits)
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))

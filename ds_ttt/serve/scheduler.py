@@ -15,7 +15,8 @@ The BatchScheduler's loop, on one thread that owns the model:
     3. takes ONE forward for the next token of every active reply: `batched_decode_logits`
        (ds_ttt/serve/batch.py): the backbone batched over the B sessions, each session's own fast
        weights applied to its own row, attention per row against its own KV cache;
-then each reply chooses its token from its row (its own RNG, options, stop strings: `Decode.step`).
+then each reply chooses its token from its row (its own RNG, options, stop strings: `Decode.step`;
+the rows' logsumexp and argmax come from one batched reduction, `session.row_stats`).
 A reply whose `cancel` event is set (the client went away) is dropped between steps and its request
 gets `Cancelled`; nothing it did is committed (the request works on a fork).
 DirectEngine is today's path (every request's thread runs the model itself, one token per forward);
@@ -79,14 +80,16 @@ class BatchScheduler:
 
     def __init__(self, agent, *, max_batch: int = 16):
         from ds_ttt.serve.batch import WeightStacks, batched_decode_logits
+        from ds_ttt.serve.session import row_stats
 
         self.agent, self.max_batch = agent, max_batch
         self._forward = batched_decode_logits
+        self._row_stats = row_stats
         self._stacks = WeightStacks()
         self._cv = threading.Condition()
         self._chunks: collections.deque = collections.deque()  # (fn, future, cancel)
         self._new: collections.deque = collections.deque()  # (_Group, decode)
-        self._active: list = []  # (_Group, decode, logits_V)
+        self._active: list = []  # (_Group, decode, logits_V, RowStats or None)
         self._closed = False
         self.steps = 0  # batched forwards taken
         self.rows = 0  # rows over all of them (rows / steps = mean batch): tokens decoded
@@ -180,7 +183,7 @@ class BatchScheduler:
                     continue
                 try:
                     _check(group.cancel)
-                    self._active.append((group, d, d.first_logits()))
+                    self._active.append((group, d, d.first_logits(), None))
                 except BaseException as e:  # noqa: BLE001
                     self._fail(group, e)
 
@@ -190,12 +193,12 @@ class BatchScheduler:
         with torch.inference_mode():
             # choose every row's next token from its logits; the rows that continue take one forward
             stepping = []
-            for group, d, logits_V in self._active:
+            for group, d, logits_V, stats in self._active:
                 if group.future.done():
                     continue
                 try:
                     _check(group.cancel)
-                    if d.step(logits_V):
+                    if d.step(logits_V, stats):
                         stepping.append((group, d))
                     else:
                         t = time.perf_counter()
@@ -217,4 +220,5 @@ class BatchScheduler:
                 return
             self.steps += 1
             self.rows += len(stepping)
-            self._active = [(g, d, logits[b]) for b, (g, d) in enumerate(stepping)]
+            stats = self._row_stats(logits)  # every row's logsumexp / argmax in one batched op (Decode.step)
+            self._active = [(g, d, logits[b], stats[b]) for b, (g, d) in enumerate(stepping)]

@@ -88,7 +88,7 @@ def test_batched_forward_equals_each_sessions_own(which, request):
             for d, x in zip(dm + dt, lm + lt):
                 d.step(x)
             assert [d.action for d in dm] == [d.action for d in dt]
-            lm = batched_decode_logits(ag, dm)
+            lm = list(batched_decode_logits(ag, dm))
             lt = [d.forward_next() for d in dt]
             for a, b in zip(lm, lt):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -79,7 +79,7 @@ def test_sessions_share_w0_and_own_only_what_they_update(agent):
         for step in range(6):
             for d, x in zip(dr + da, lr_ + la):
                 d.step(x)
-            lr_ = batched_decode_logits(agent, dr, stacks)
+            lr_ = list(batched_decode_logits(agent, dr, stacks))
             la = [d.forward_next() for d in da]
             for x, y in zip(lr_, la):
                 torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
@@ -151,3 +151,18 @@ def test_server_reports_prompt_cache_hits_per_key(agent):
     mem = store.memory()
     assert mem["prefix_cache_entries"] == 2 and mem["prefix_cache_bytes"] > 0
     assert mem["held_bytes"] >= mem["prefix_cache_bytes"] + store.shared_bytes
+
+
+def test_row_stats_equal_the_per_row_values():
+    """The batched scheduler chooses greedy tokens from row_stats: the same argmax, logsumexp and NLL, bit
+    for bit, as Decode.step computes from one row (ties included: the first maximum)."""
+    from ds_ttt.serve.session import row_stats
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1216)
+    logits[2, 7] = logits[2, 900] = logits[2].max() + 1  # a tie: the first index wins
+    for row, st in zip(logits, row_stats(logits)):
+        lse = torch.logsumexp(row, -1)
+        assert st.argmax == int(row.argmax()) and st.lse == float(lse)
+        assert st.argmax_nll == float(lse - row[int(row.argmax())])
+    assert row_stats(logits)[2].argmax == 7

@@ -195,6 +195,25 @@ def test_shell_state_families_need_the_persistent_shell(monkeypatch):
             _play(policy)
 
 
+def test_background_job_episode_is_deterministic_on_a_stalled_shell(monkeypatch):
+    """`touch go && wait %1` finds the job still running even when the shell stalls between the two (a
+    loaded machine): the episode records "exit 0", never bash's "wait: %1: no such job" (which 2 of 300
+    generated trajectories once recorded)."""
+    from ds_ttt.data import shell_families
+
+    run, seen = Sandbox.run, []
+
+    def stalled(self, command, timeout=None):
+        if "wait %1" in command:  # 0.3 s between the flag and the wait, as a busy scheduler may leave
+            result = run(self, command.replace("touch go && ", "touch go && sleep 0.3 && "), timeout=timeout)
+            seen.append(result.output.strip())
+            return result
+        return run(self, command, timeout=timeout)
+    monkeypatch.setattr(Sandbox, "run", stalled)
+    _play(shell_families.shell_background)
+    assert seen == ["exit 0"]
+
+
 def _play(policy):
     import random
 

@@ -12,7 +12,8 @@ Every file must exist in both trees. How each kind is compared:
                    (the manifest's sha256, which hashes its input paths, and each checkpoint's
                    `checkpoint_sha256`, which hashes its run_config.json with the output path) by
                    placeholders, and dropping wall-clock fields (times, rates, load, dates, memory peaks);
-  *model_states.pt tensors equal bit for bit (torch.equal), other values equal after the same path
+  *model_states.pt loaded weights_only (DeepSpeed's few objects allow-listed, as the trainer's resume
+                   does); tensors equal bit for bit (torch.equal), other values equal after the same path
                    replacement (DeepSpeed's module file keeps the run's client state, paths included);
   .md / .png       skipped: reports rendered from the JSON beside them, with timings in them;
   everything else  byte for byte (the raw trajectories, checkpoint shards, optimizer states, safetensors).
@@ -33,6 +34,7 @@ import sys
 import torch
 
 from ds_ttt.loading import checkpoint_sha256, sha256_file
+from ds_ttt.train.safe_loading import deepspeed_safe_globals
 
 WALL_CLOCK = re.compile(r"^(created|date|minutes|peak_mem_gb|load|load_.*|.*time.*|.*seconds.*|.*per_s|elapsed.*)$")
 
@@ -100,8 +102,10 @@ def same_file(rel: pathlib.Path, run_a: Run, run_b: Run) -> bool | None:
     if rel.suffix in (".json", ".jsonl"):
         return load_json(run_a, rel) == load_json(run_b, rel)
     if rel.name.endswith("model_states.pt"):
-        return same_state(torch.load(run_a.root / rel, weights_only=False),
-                          torch.load(run_b.root / rel, weights_only=False), run_a, run_b)
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            state_a = torch.load(run_a.root / rel, map_location="cpu", weights_only=True)
+            state_b = torch.load(run_b.root / rel, map_location="cpu", weights_only=True)
+        return same_state(state_a, state_b, run_a, run_b)
     return sha256_file(run_a.root / rel) == sha256_file(run_b.root / rel)
 
 

@@ -121,6 +121,9 @@ DRIVER = ("{limits}; builtin printf 'ready %d\\n' $$ >&3; "
           "builtin cd \"$__o\"; unset OLDPWD __o; "
           "while builtin read -r -d '' __ds_kind && builtin read -r -d '' __ds_cmd; do "
           "if [ \"$__ds_kind\" = shell ]; then { __ds_run; } </dev/null 2>&1 3>&- 4>&-; "
+          # "reap" (no command): after the host killed jobs of an earlier command, bash's own notices of
+          # their deaths ("Killed  sleep 30") are written here, to /dev/null, not into the next command
+          "elif [ \"$__ds_kind\" = reap ]; then { builtin jobs; } >/dev/null 2>&1; "
           "else ( builtin eval \"$__ds_cmd\" ) </dev/null 2>&4 3>&- 4>&-; fi; "
           "builtin printf '%d\\n' \"$?\" >&3; done")
 
@@ -568,6 +571,7 @@ class Sandbox:
             time.sleep(0.05)
             self._drain(self._out, bytearray(), 1 << 30)
             self._drain(self._err, bytearray(), 1 << 30)
+            self._reap_notices(bytearray(), bytearray())
         before = set(_tree(self._proc.pid))
         request = f"{kind}\0{payload}\0".encode()
         while request:  # the shell reads as we write; a long command needs more than one pipe buffer
@@ -617,6 +621,7 @@ class Sandbox:
             at_limit = True  # a fork bomb in the background would hold the sandbox at its limit for good
             self._kill_new(before)
             time.sleep(0.05)  # let the dying processes' last output arrive
+            self._reap_notices(out, err)
         if self._proc is not None:
             self._drain(self._out, out, cap)
             self._drain(self._err, err, cap)
@@ -629,6 +634,20 @@ class Sandbox:
                              output_truncated=truncated, output_bytes=len(out), shell_restarted=restarted,
                              files_lost=lost, stderr=bytes(err[:cap]).decode("utf-8", "replace"), raw=raw,
                              process_limit_hit=at_limit)
+
+    def _reap_notices(self, out: bytearray, err: bytearray) -> None:
+        """Have the shell take note of the jobs the host just killed, so its "Killed" notices are not
+        printed into the next command's output (the result already says the sandbox killed them).
+        What background jobs print meanwhile goes to `out`/`err`. A shell that does not answer a
+        builtin within the grace time is beyond recovery: the sandbox is stopped (restarted, files lost)."""
+        request = b"reap\0\0"
+        select.select([], [self._requests], [])
+        os.write(self._requests, request)  # 7 bytes: always written whole to a pipe with room
+        status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, 1 << 30, stop_at_cap=False)
+        if status is None or status[0] != "status":
+            self._stop()
+            self._pending_note = (True, self.isolation == "bwrap")
+            self.num_restarts += 1
 
     def _collect(self, deadline: float, out: bytearray, err: bytearray, cap: int,
                  before: set | None = None, stop_at_cap: bool = True) -> tuple[str, int] | None:

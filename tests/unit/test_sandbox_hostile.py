@@ -137,3 +137,17 @@ def test_a_background_fork_bomb_never_outlives_its_command():
             after = sb.run("echo alive", timeout=5)
             assert after.output == "alive\n", after.output[:200]
             assert len(_tree(sb._proc.pid)) <= 3
+
+
+def test_the_hosts_kills_leave_no_job_notices_in_the_next_command():
+    """Jobs the sandbox kills at its process limit after their command ended are jobs of the episode's
+    shell: bash used to print "Killed  sleep 30" notices of them into the next command's output (the
+    fork-bomb case above failed so in CI: `after` began "bash: line 1: 3 Done bomb"). The result of the
+    command that started them says what happened; the next command's output is its own."""
+    with Sandbox(parent="/tmp", max_processes=32, timeout=TIMEOUT) as sb:  # killed from 8 processes on
+        for _ in range(3):
+            res = sb.run("for i in 1 2 3 4 5 6 7 8 9 10; do sleep 30 & done; sleep 30 | cat & echo started")
+            assert res.output == "started\n" and res.process_limit_hit, (res.output, res.process_limit_hit)
+            after = sb.run("echo alive")
+            assert after.output == "alive\n", after.output[:400]
+            assert len(_tree(sb._proc.pid)) <= 2

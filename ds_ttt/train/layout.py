@@ -78,11 +78,14 @@ class Layout:
                 "prefix_per_stage": list(self.prefix_per_stage), "tied_embeddings": self.tied_embeddings,
                 "spec_parts": self.spec_parts()}
 
+    # what from_dict needs of to_dict's record (spec_parts is derived from them)
+    RECORD_FIELDS = ("num_stages", "num_layers", "num_adaptive", "prefix_per_stage", "tied_embeddings")
+
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
-        """From `to_dict` (a dict without `tied_embeddings` is an untied layout)."""
+        """From `to_dict` (every field of RECORD_FIELDS; RunInfo.read names a missing one)."""
         return cls(d["num_stages"], d["num_layers"], d["num_adaptive"], tuple(d["prefix_per_stage"]),
-                   d.get("tied_embeddings", False))
+                   d["tied_embeddings"])
 
 
 def resolve_layout(num_stages: int, num_layers: int, ttt: TTTConfig, partition: list[int] | None = None, *,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pathlib
 
-from ds_ttt.config import TTTConfig
 from ds_ttt.train.checkpoint import LATEST
 from ds_ttt.train.run_config import RunConfig
 from ds_ttt.train.run_record import RUN_CONFIG, RunInfo
@@ -32,7 +31,7 @@ def check_same_model(run: RunConfig, info: RunInfo, backbone) -> None:
         raise ValueError(f"{info.checkpoint}: the backbone differs from this launch's (--preset/--model); "
                          f"use the checkpoint's model source {info.model_source}")
     for key in STRUCTURAL_TTT:
-        saved = info.ttt.get(key, TTTConfig().to_dict()[key])  # a field the checkpoint lacks: its default
+        saved = info.ttt[key]  # RunInfo.read refuses a record without every TTTConfig field
         if getattr(run.ttt, key) != saved:
             raise ValueError(f"ttt.{key}={getattr(run.ttt, key)!r} but {info.checkpoint} was trained with "
                              f"{saved!r}; keep it the same to continue from that checkpoint")

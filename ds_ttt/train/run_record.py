@@ -13,6 +13,7 @@ Files (inside each checkpoint directory; RUN_DIR/run_config.json holds the lates
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from dataclasses import dataclass, field
@@ -68,12 +69,42 @@ class RunInfo:
 
     @classmethod
     def read(cls, ckpt: pathlib.Path) -> "RunInfo":
-        d = json.loads((ckpt / RUN_CONFIG).read_text())
-        if d.get("format") != RUN_FORMAT:
-            raise ValueError(f"{ckpt / RUN_CONFIG}: unknown format {d.get('format')!r}")
+        """Read ckpt/run_config.json; a record that is not JSON, of another format or without a field
+        the trainer always writes is refused with the file and the fields named (no field defaults)."""
+        path = ckpt / RUN_CONFIG
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e}); the trainer writes it atomically with each "
+                             "checkpoint, so resume from another checkpoint of the run") from None
+        if not isinstance(d, dict) or d.get("format") != RUN_FORMAT:
+            raise ValueError(f"{path}: unknown format {d.get('format') if isinstance(d, dict) else d!r} "
+                             f"(expected {RUN_FORMAT!r})")
+        missing = record_fields_missing(d)
+        if missing:
+            raise ValueError(f"{path}: missing {', '.join(missing)}; every checkpoint this trainer writes "
+                             f"({RUN_FORMAT}) has them, so resume or export from such a checkpoint, or "
+                             "start a new run")
         return cls(checkpoint=ckpt, step=d["step"], backbone=d["backbone"], ttt=d["ttt"], run=d["run"],
                    deepspeed=d["deepspeed"], plan=d["plan"], manifest_path=d["manifest"]["path"],
                    manifest_sha256=d["manifest"]["sha256"], model_source=d["model_source"], layout=d["layout"], raw=d)
+
+
+RECORD_KEYS = ("step", "backbone", "ttt", "run", "deepspeed", "plan", "manifest", "model_source", "layout")
+
+
+def record_fields_missing(d: dict) -> list[str]:
+    """The fields RunInfo needs that run_config.json dict `d` lacks, as dotted names."""
+    from ds_ttt.config import TTTConfig
+    missing = [k for k in RECORD_KEYS if k not in d]
+    nested = {"manifest": ("path", "sha256"), "layout": Layout.RECORD_FIELDS,
+              "ttt": tuple(f.name for f in dataclasses.fields(TTTConfig))}
+    for key, fields in nested.items():
+        if isinstance(d.get(key), dict):
+            missing += [f"{key}.{f}" for f in fields if f not in d[key]]
+        elif key in d:
+            missing.append(f"{key} (an object)")
+    return missing
 
 
 def manifest_tokenizer(manifest) -> dict:

@@ -101,3 +101,35 @@ def test_sample_cursor_is_read_and_checked(tmp_path):
 
 def test_data_order_keys_are_what_the_trainer_records():
     assert set(DATA_ORDER_KEYS) == set(SAVED_ORDER)
+
+
+@pytest.mark.parametrize("drop,named", [
+    (("layout", "tied_embeddings"), "layout.tied_embeddings"),
+    (("ttt", "key_shift"), "ttt.key_shift"),
+    (("manifest", "sha256"), "manifest.sha256"),
+    (("plan",), "plan"),
+])
+def test_a_record_without_a_field_is_refused_by_name(tmp_path, drop, named):
+    """A run_config.json lacking a field the trainer always writes is refused, naming the file and the
+    field; no field takes a default (an untied layout or the default key_shift were assumed before, so
+    a resume could rebuild another model than the one saved)."""
+    info, _ = saved_info(tmp_path)
+    path = info.checkpoint / RUN_CONFIG
+    d = json.loads(path.read_text())
+    parent = d
+    for k in drop[:-1]:
+        parent = parent[k]
+    del parent[drop[-1]]
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError) as e:
+        RunInfo.read(info.checkpoint)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: missing {named};") and "start a new run" in msg, msg
+
+
+def test_a_record_that_is_not_json_is_refused_by_name(tmp_path):
+    info, _ = saved_info(tmp_path)
+    path = info.checkpoint / RUN_CONFIG
+    path.write_text(path.read_text()[:-20])  # cut short
+    with pytest.raises(ValueError, match=rf"^{path}: not valid JSON \(.*line 1 column"):
+        RunInfo.read(info.checkpoint)

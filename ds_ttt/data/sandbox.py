@@ -615,6 +615,8 @@ class Sandbox:
             else:
                 self._stop()
                 lost = self.isolation == "bwrap"
+        if marks is not None and not restarted and self._proc is not None:
+            self._reap_notices(out, err)  # the jobs killed at the stop (cut below with the rest after it)
         at_limit = False
         if self._proc is not None and self.isolation == "bwrap" and (
                 self._at_process_limit() or (time.sleep(LIMIT_RECHECK_SEC) is None and self._at_process_limit())):

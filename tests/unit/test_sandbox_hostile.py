@@ -139,15 +139,27 @@ def test_a_background_fork_bomb_never_outlives_its_command():
             assert len(_tree(sb._proc.pid)) <= 3
 
 
-def test_the_hosts_kills_leave_no_job_notices_in_the_next_command():
-    """Jobs the sandbox kills at its process limit after their command ended are jobs of the episode's
-    shell: bash used to print "Killed  sleep 30" notices of them into the next command's output (the
-    fork-bomb case above failed so in CI: `after` began "bash: line 1: 3 Done bomb"). The result of the
-    command that started them says what happened; the next command's output is its own."""
+
+STOPS = {  # command, Sandbox.run timeout, rounds, what the result says
+    "process limit": ("for i in 1 2 3 4 5 6 7 8 9 10; do sleep 30 & done; sleep 30 | cat & echo started",
+                      TIMEOUT, 3, lambda r: r.output == "started\n" and r.process_limit_hit),
+    "timeout": ("sleep 30 & sleep 30 | cat & echo started; sleep 100", 0.5, 10,
+                lambda r: r.output == "started\n" and r.timed_out),
+}
+
+
+@pytest.mark.parametrize("stop", sorted(STOPS))
+def test_the_hosts_kills_leave_no_job_notices_in_the_next_command(stop):
+    """Jobs the sandbox kills (at its process limit after their command ended, or at a timeout) are
+    jobs of the episode's shell: bash used to print "Killed  sleep 30" notices of them into the next
+    command's output (the fork-bomb case above failed so in CI: `after` began "bash: line 1: 3 Done
+    bomb"; at a timeout 14 of 30 rounds leaked under load). The result of the command that started
+    them says what happened; the next command's output is its own."""
+    command, timeout, rounds, says = STOPS[stop]
     with Sandbox(parent="/tmp", max_processes=32, timeout=TIMEOUT) as sb:  # killed from 8 processes on
-        for _ in range(3):
-            res = sb.run("for i in 1 2 3 4 5 6 7 8 9 10; do sleep 30 & done; sleep 30 | cat & echo started")
-            assert res.output == "started\n" and res.process_limit_hit, (res.output, res.process_limit_hit)
+        for _ in range(rounds):
+            res = sb.run(command, timeout=timeout)
+            assert says(res), (res.output, res.process_limit_hit, res.timed_out)
             after = sb.run("echo alive")
             assert after.output == "alive\n", after.output[:400]
             assert len(_tree(sb._proc.pid)) <= 2

@@ -38,7 +38,8 @@ def run_cfg(**kw):
 
 def test_shipped_configs_exist():
     names = {p.name for p in CONFIGS}
-    assert {"cpu_tiny.json", "run_cpu_tiny.json", "qwen3_8b_pp4.json", "run_qwen3_8b.json"} <= names
+    assert {"cpu_tiny.json", "run_cpu_tiny.json", "qwen3_8b_pp4.json", "qwen3_8b_pp1_dp4.json", "qwen3_8b_pp2_dp2.json",
+            "run_qwen3_8b.json"} <= names  # the three layouts docs/training.md's "Which layout" names
 
 
 @pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
@@ -53,7 +54,7 @@ def test_shipped_deepspeed_configs_validate(path):
         layers, world = backbone_config("qwen3-8b").num_hidden_layers, stages * dp
         layout = validate_deepspeed(run, ds, world, layers)
         assert layout.num_adaptive == 9 and layout.first_adaptive == 27
-        assert layout.prefix_per_stage == {1: (), 4: (9, 9, 9)}[stages]  # one stage: everything on it
+        assert layout.prefix_per_stage == {1: (), 2: (27,), 4: (9, 9, 9)}[stages]  # one stage: everything on it
     else:
         run = load_run_config(str(ROOT / "ds_configs/run_cpu_tiny.json"), {"data": "d", "output": "o"}, {})
         # cpu_tiny.json: 4 stages on 4 CPU ranks; cpu_tiny_pp{stages}[_dp{dp}].json otherwise

@@ -36,6 +36,7 @@ SEED="${SEED:-0}"
 RUN_CONFIG="${RUN_CONFIG:-ds_configs/run_cpu_tiny.json}"
 DS_CONFIG="${DS_CONFIG:-ds_configs/cpu_tiny_pp1_dp2.json}"
 PY=.venv/bin/python
+source launch/same_checkout.sh && require_same_checkout "$PY"
 export OMP_NUM_THREADS=1 WANDB_MODE="${WANDB_MODE:-offline}" DS_ACCELERATOR=cpu
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}"
 mkdir -p "$WORK"

@@ -27,6 +27,7 @@ NUM_RANKS="${NUM_RANKS:-2}"
 RUN_CONFIG="${RUN_CONFIG:-ds_configs/run_cpu_tiny.json}"
 REPORT="${REPORT:-$WORK/adaptation}"
 PY=.venv/bin/python
+source launch/same_checkout.sh && require_same_checkout "$PY"
 export OMP_NUM_THREADS=1 WANDB_MODE="${WANDB_MODE:-offline}" DS_ACCELERATOR=cpu
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}"
 mkdir -p "$WORK"

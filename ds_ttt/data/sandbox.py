@@ -123,7 +123,9 @@ DRIVER = ("{limits}; builtin printf 'ready %d\\n' $$ >&3; "
           "if [ \"$__ds_kind\" = shell ]; then { __ds_run; } </dev/null 2>&1 3>&- 4>&-; "
           # "reap" (no command): after the host killed jobs of an earlier command, bash's own notices of
           # their deaths ("Killed  sleep 30") are written here, to /dev/null, not into the next command
+          # (its answer is "reaped 0", never a command's status: a late one is skipped, not misread)
           "elif [ \"$__ds_kind\" = reap ]; then { builtin jobs; } >/dev/null 2>&1; "
+          "builtin printf 'reaped 0\\n' >&3; continue; "
           "else ( builtin eval \"$__ds_cmd\" ) </dev/null 2>&4 3>&- 4>&-; fi; "
           "builtin printf '%d\\n' \"$?\" >&3; done")
 
@@ -640,51 +642,71 @@ class Sandbox:
     def _reap_notices(self, out: bytearray, err: bytearray) -> None:
         """Have the shell take note of the jobs the host just killed, so its "Killed" notices are not
         printed into the next command's output (the result already says the sandbox killed them).
-        What background jobs print meanwhile goes to `out`/`err`. A shell that does not answer a
-        builtin within the grace time is beyond recovery: the sandbox is stopped (restarted, files lost)."""
-        request = b"reap\0\0"
+        What background jobs print meanwhile goes to `out`/`err`. The answer ("reaped") is waited for
+        up to the grace time; one that comes later (a machine under heavy load) is skipped wherever it
+        arrives, so a slow reap costs at most a notice, never a command's status. If the shell ended
+        meanwhile, the supervisor's new shell is awaited and the next result says it was restarted."""
         select.select([], [self._requests], [])
-        os.write(self._requests, request)  # 7 bytes: always written whole to a pipe with room
-        status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, 1 << 30, stop_at_cap=False)
-        if status is None or status[0] != "status":
-            self._stop()
-            self._pending_note = (True, self.isolation == "bwrap")
+        os.write(self._requests, b"reap\0\0")  # 7 bytes: always written whole to a pipe with room
+        status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, 1 << 30, stop_at_cap=False,
+                               reaped=True)
+        if status is not None and status[0] == "exit":
             self.num_restarts += 1
+            kind, _value = self._next_status(time.monotonic() + KILL_GRACE_SEC)
+            lost = kind != "ready"
+            if lost:
+                self._stop()
+            self._pending_note = (True, lost and self.isolation == "bwrap")
 
     def _collect(self, deadline: float, out: bytearray, err: bytearray, cap: int,
-                 before: set | None = None, stop_at_cap: bool = True) -> tuple[str, int] | None:
-        """Read output until the shell reports ("status"|"exit", code); None at the deadline or past the cap
-        (with `before` given, keep killing what the command started while waiting)."""
+                 before: set | None = None, stop_at_cap: bool = True,
+                 reaped: bool = False) -> tuple[str, int] | None:
+        """Read output until the shell reports ("status"|"exit", code), or with `reaped` also ("reaped", 0)
+        (else that answer is skipped); None at the deadline or past the cap (with `before` given, keep
+        killing what the command started while waiting)."""
         fds = [self._out, self._err, self._status]
         stop_at_cap = stop_at_cap and before is None
         while True:
+            st = self._pop_status(reaped=reaped)
+            if st is not None:
+                return st
             left = deadline - time.monotonic()
             if left <= 0 or (stop_at_cap and len(out) + len(err) > cap):
                 return None
             for fd in select.select(fds, [], [], min(left, 0.05 if before is not None else left))[0]:
-                if fd == self._status:
-                    st = self._read_status_line()
-                    if st is not None and st[0] == "ready":
-                        self._find_driver(st[1])
-                    elif st is not None:
-                        return st
-                else:
+                if fd != self._status:  # a status line is taken at the top of the loop
                     self._drain(fd, out if fd == self._out else err, cap)
             if before is not None:
                 self._kill_new(before)
 
     def _next_status(self, deadline: float) -> tuple[str, int] | tuple[None, None]:
-        while time.monotonic() < deadline:
-            if select.select([self._status], [], [], deadline - time.monotonic())[0]:
-                st = self._read_status_line()
-                if st is not None:
-                    if st[0] == "ready":
-                        self._find_driver(st[1])
+        """The next line of the status pipe, "ready" included (a late reap answer is skipped)."""
+        while True:
+            st = self._pop_status(keep_ready=True)
+            if st is not None:
+                return st
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None, None
+            select.select([self._status], [], [], left)
+
+    def _pop_status(self, *, reaped: bool = False, keep_ready: bool = False) -> tuple[str, int] | None:
+        """The next status line for the caller, None when no complete line has arrived. Every complete
+        line is looked at, buffered ones first (two lines can come in one read: a skipped one must not
+        leave the next waiting in the buffer while the caller waits on the pipe): "ready" records the
+        new shell's pid (and is returned with `keep_ready`), "reaped" is skipped unless asked for."""
+        while (st := self._read_status_line()) is not None:
+            if st[0] == "ready":
+                self._find_driver(st[1])
+                if keep_ready:
                     return st
-        return None, None
+            elif st[0] != "reaped" or reaped:
+                return st
+        return None
 
     def _read_status_line(self) -> tuple[str, int] | None:
-        """One line of the status pipe: ("status", code), ("exit", code), ("ready", inner pid); EOF -> ("gone", 137)."""
+        """One line of the status pipe: ("status", code), ("exit", code), ("ready", inner pid), ("reaped", 0);
+        EOF -> ("exit", 137)."""
         while b"\n" not in self._status_buf:
             try:
                 chunk = os.read(self._status, 64)
@@ -698,7 +720,7 @@ class Sandbox:
         try:
             if len(words) == 1:
                 return ("status", int(words[0]))
-            if len(words) == 2 and words[0] in ("exit", "ready"):
+            if len(words) == 2 and words[0] in ("exit", "ready", "reaped"):
                 return (words[0], int(words[1]))
         except ValueError:
             pass

@@ -163,3 +163,16 @@ def test_the_hosts_kills_leave_no_job_notices_in_the_next_command(stop):
             after = sb.run("echo alive")
             assert after.output == "alive\n", after.output[:400]
             assert len(_tree(sb._proc.pid)) <= 2
+
+
+def test_a_late_reap_answer_is_skipped_not_misread(monkeypatch):
+    """On a loaded machine the shell can answer the reap after the host stopped waiting for it (CI, load
+    20 during the fork-bomb tests: the first reap treated that as a dead shell and stopped the sandbox).
+    A late answer must cost nothing: the next command gets its own status and output, no restart."""
+    monkeypatch.setattr(sandbox_mod, "KILL_GRACE_SEC", 0.0)  # the host never waits for the answer
+    with Sandbox(parent="/tmp", max_processes=32, timeout=TIMEOUT) as sb:
+        for _ in range(3):
+            assert sb.run(STOPS["process limit"][0]).process_limit_hit
+            after = sb.run("echo alive; (exit 3)")
+            assert (after.output, after.exit_code, after.shell_restarted) == ("alive\n", 3, False)
+            assert sb._proc is not None and sb.num_restarts == 0

@@ -40,3 +40,23 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def scripted_export(tmp_path_factory) -> pathlib.Path:
+    """A tiny TTT export that has memorized one solution of the shipped Harbor task count-lines (one bash
+    call, then an answer: tests/harbor/scripted_agent.py). Session-wide: the Harbor tests serve it, the
+    closed-loop tests run it on the task in process."""
+    from ds_ttt.data.tokenizer import load_tokenizer
+    from ds_ttt.export import export_model
+    from tests.harbor.scripted_agent import train_scripted_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tok = load_tokenizer()
+        out = tmp_path_factory.mktemp("harbor") / "scripted-export"
+        export_model(train_scripted_model(tok), out, tokenizer=tok)
+    finally:
+        torch.set_num_threads(threads)
+    return out

@@ -1,5 +1,5 @@
-"""Fixtures of the Harbor tests: the Harbor venv, a tiny export that has memorized one solution of the
-shipped task, and the project's HTTP server serving it on an ephemeral port.
+"""Fixtures of the Harbor tests: the Harbor venv and the project's HTTP server serving the tiny export that
+has memorized one solution of the shipped task (`scripted_export`, tests/conftest.py) on an ephemeral port.
 
 Run: python -m pytest tests/harbor (needs .venv-harbor from `bash setup_harbor.sh`; see docs/harbor.md).
 """
@@ -15,9 +15,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.harbor.scripted_agent import HARBOR_VENV, REPO, free_port, train_scripted_model
+from tests.harbor.scripted_agent import HARBOR_VENV, REPO, free_port
 
 SERVER_START_TIMEOUT_SEC = 300
 
@@ -31,22 +30,6 @@ def harbor_python() -> Path:
         print(f"\n*** {msg}\n", file=sys.stderr)
         pytest.skip(msg)
     return python
-
-
-@pytest.fixture(scope="session")
-def scripted_export(tmp_path_factory) -> Path:
-    from ds_ttt.data.tokenizer import load_tokenizer
-    from ds_ttt.export import export_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tok = load_tokenizer()
-        out = tmp_path_factory.mktemp("harbor") / "scripted-export"
-        export_model(train_scripted_model(tok), out, tokenizer=tok)
-    finally:
-        torch.set_num_threads(threads)
-    return out
 
 
 @pytest.fixture(scope="session")

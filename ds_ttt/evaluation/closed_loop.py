@@ -1,0 +1,231 @@
+"""Closed-loop evaluation: the agent does held-out tasks with its own actions, scored by the tasks' tests.
+
+    from ds_ttt.evaluation.closed_loop import run_episodes, summarize
+    episodes = run_episodes(agent, tasks, mode="ttt", attempts=1, temperature=0.0)   # evals/agent_tasks.py
+    row = summarize(episodes, model="ttt_current", mode="ttt")
+
+One episode (the training loop's shape, as `ds_ttt.serve.runner` and the Harbor agent run it):
+  1. a fresh bubblewrap sandbox (ds_ttt/data/sandbox.py) holding the task's environment/ files in /app;
+  2. an AgentSession reset with the generator's system prompt, its `bash` tool and the instruction;
+  3. until a reply makes no tool call, or `max_rounds` replies: the model generates its action, every
+     tool call runs in the episode's persistent shell, and the observation goes back to the session,
+     which takes one inner step on its fast weights (mode "ttt"; "frozen" keeps W_0: the ablation;
+     "sft": a model without adaptive layers, nothing to update);
+  4. the final reply is written to the answer file (ds_ttt/tasks/checks.py, ANSWER_PATH), the task's
+     test.sh is copied in (never visible to the agent before) and run; success = its reward is 1.
+
+Episodes run together: each on its own thread (its sandbox commands overlap the others' decoding), all
+model work on one BatchScheduler (ds_ttt/serve/scheduler.py), the server's batched decode, so the
+tokens of up to `concurrency` replies are generated in one forward.
+Greedy (temperature 0, attempts=1) or sampled: `attempts` = k independent samples per task, each with
+its own seed; pass@k counts a task solved when any attempt succeeds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from ds_ttt.data.sandbox import Sandbox, SandboxError
+from ds_ttt.evaluation.intervals import wilson_interval
+from ds_ttt.serve.runner import BashToolRunner
+from ds_ttt.tasks.checks import ANSWER_PATH, REWARD_PATH
+from ds_ttt.tasks.suite import Task
+
+MODES = ("ttt", "frozen", "sft")
+TEST_PATH = "/tests/test.sh"
+LOG_DIRS = "/logs/agent /logs/verifier"
+
+
+@dataclass
+class EpisodeResult:
+    task: str
+    kind: str
+    family: str
+    seen: bool
+    attempt: int
+    success: bool
+    stop: str  # "answer", "max_rounds", "truncated" (a reply hit max_new_tokens), "context_full"
+    rounds: int
+    updates: int  # inner steps taken (0 in the frozen / sft modes)
+    tokens: int  # generated tokens
+    seconds: float
+    test_log: str = ""
+    actions: list = field(default_factory=list)  # the commands, for reading failures (not scored)
+
+
+def score_outcome(sb: Sandbox, task: Task, answer: str | None) -> tuple[bool, str]:
+    """Run the task's test in the episode's sandbox after the episode: (reward == 1, the test's log).
+    `answer` (the final reply) goes to the answer file first; None leaves the file as the episode left it."""
+    sb.run_fresh(f"mkdir -p {LOG_DIRS}", timeout=60.0)  # as Harbor's environments make them for the verifier
+    if answer is not None:
+        sb.put(answer.encode(), ANSWER_PATH)
+    sb.put(task.test.encode(), TEST_PATH, 0o755)
+    out = sb.run_fresh(f"bash {TEST_PATH}", cwd="/app", timeout=60.0)
+    log = (out.output + out.stderr)[-2000:]
+    try:
+        return sb.read(REWARD_PATH).decode().strip() == "1", log
+    except SandboxError as e:  # a test that wrote no reward fails the episode; the log says why
+        return False, f"{log}\n[no reward file: {e}]"
+
+
+def verify_task(task: Task) -> dict:
+    """The task's test judged on two known agents: the reference solution (solution/solve.sh, run in one
+    shell as Harbor's oracle agent runs it) must pass, and doing nothing (Harbor's nop agent) must fail."""
+    out = {}
+    for name, script in (("oracle", (task.path / "solution" / "solve.sh").read_text()), ("nop", None)):
+        with Sandbox(timeout=30.0, dirs=("/logs", "/tests")) as sb:
+            sb.add_tree(task.environment)
+            if script is not None:
+                sb.put(script.encode(), "/tests/solve.sh", 0o755)
+                sb.run("bash /tests/solve.sh")
+            out[name], out[f"{name}_log"] = score_outcome(sb, task, None if script is not None else "")
+    out["valid"] = out["oracle"] and not out["nop"]
+    return out
+
+
+def run_episode(agent, engine, task: Task, *, mode: str, attempt: int = 0, temperature: float = 0.0,
+                max_rounds: int = 12, max_new_tokens: int = 256, command_timeout: float = 10.0,
+                max_output_chars: int = 2000, seed: int = 0) -> EpisodeResult:
+    from ds_ttt.serve.session import AgentSession, ContextFullError
+
+    t0 = time.perf_counter()
+    session = AgentSession(agent, update=(mode == "ttt"), temperature=temperature, seed=seed,
+                           max_new_tokens=max_new_tokens)
+    res = EpisodeResult(task.id, task.kind, task.family, task.seen, attempt, False, "max_rounds", 0, 0, 0, 0.0)
+    answer = ""
+    with BashToolRunner(timeout=command_timeout, max_output_chars=max_output_chars, setup_dir=task.environment,
+                        dirs=("/logs", "/tests")) as tools:
+        try:
+            engine.run(lambda: session.reset(task.instruction))
+            for _ in range(max_rounds):
+                decode = session.begin_decode()
+                engine.generate([decode])
+                message = session.end_decode(decode)
+                res.rounds += 1
+                res.tokens += len(decode.action)
+                calls = message.get("tool_calls") or []
+                invalid = message.get("invalid_tool_calls") or []
+                if not calls and not invalid:
+                    answer = message.get("content") or ""
+                    res.stop = "truncated" if message.get("truncated") else "answer"
+                    break
+                res.actions += [c.get("function", c).get("arguments") for c in calls]
+                outputs = [tools.execute(c) for c in calls] + [f"[error: invalid tool call: {b['error']}]" for b in invalid]
+                engine.run(lambda: session.observe(outputs))
+                res.updates = session.num_updates
+        except ContextFullError:  # the episode ends here; what it did so far is scored
+            res.stop = "context_full"
+        res.success, res.test_log = score_outcome(tools.sandbox, task, answer)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def run_episodes(agent, tasks: list[Task], *, mode: str, attempts: int = 1, temperature: float = 0.0,
+                 concurrency: int = 16, seed: int = 0, progress: bool = True, **episode_options) -> list[EpisodeResult]:
+    """Every task `attempts` times, `concurrency` episodes at once on one batched scheduler."""
+    from ds_ttt.serve.scheduler import BatchScheduler
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "sft" and agent.model.num_adaptive:
+        raise ValueError("mode 'sft' is for a model without adaptive layers; use 'ttt' or 'frozen' for a TTT model")
+    if mode != "sft" and not agent.model.num_adaptive:
+        raise ValueError(f"mode {mode!r} needs adaptive layers; this model has none (score it with mode 'sft')")
+    if attempts > 1 and temperature <= 0:
+        raise ValueError("attempts > 1 needs temperature > 0 (greedy attempts are identical)")
+    engine = BatchScheduler(agent, max_batch=concurrency)
+    jobs = [(t, a) for a in range(attempts) for t in tasks]
+    bar, lock = None, threading.Lock()
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc=f"episodes ({mode})", unit="ep")
+    done = []
+
+    def one(job):
+        t, a = job
+        r = run_episode(agent, engine, t, mode=mode, attempt=a, temperature=temperature,
+                        seed=seed + 1_000_003 * a + t.seed, **episode_options)
+        with lock:
+            done.append(r)
+            if bar:
+                bar.update(1)
+                bar.set_postfix(success=f"{sum(x.success for x in done)}/{len(done)}")
+        return r
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(one, jobs))
+    finally:
+        engine.stop()
+        bar and bar.close()
+    return results
+
+
+def _rate(outcomes: list[bool]) -> dict:
+    n, s = len(outcomes), int(sum(outcomes))
+    lo, hi = wilson_interval(s, n)
+    return {"n": n, "solved": s, "rate": s / n if n else None, "lo": lo, "hi": hi}
+
+
+def task_outcomes(episodes: list[EpisodeResult]) -> dict[str, bool]:
+    """task id -> solved by any attempt (pass@k; k = 1 for greedy)."""
+    out: dict[str, bool] = {}
+    for e in episodes:
+        out[e.task] = out.get(e.task, False) or e.success
+    return out
+
+
+def summarize(episodes: list[EpisodeResult], *, model: str, mode: str, attempts: int = 1, temperature: float = 0.0,
+              seconds: float | None = None) -> dict:
+    """One row: success over tasks (pass@k) with a Wilson interval, per family, seen vs unseen kinds."""
+    solved = task_outcomes(episodes)
+    first = {e.task: e for e in episodes if e.attempt == 0}
+    by = lambda key: {v: _rate([solved[t] for t, e in first.items() if getattr(e, key) == v])  # noqa: E731
+                      for v in sorted({getattr(e, key) for e in first.values()})}
+    overall = _rate(list(solved.values()))
+    return {"model": model, "mode": mode, "attempts": attempts, "temperature": temperature,
+            "metric": "pass@1" if attempts == 1 else f"pass@{attempts}",
+            "episodes": len(episodes), "tasks": overall["n"], "success": overall["rate"],
+            "success_lo": overall["lo"], "success_hi": overall["hi"], "solved": overall["solved"],
+            "per_family": by("family"), "per_kind": by("kind"),
+            "seen": _rate([solved[t] for t, e in first.items() if e.seen]),
+            "unseen": _rate([solved[t] for t, e in first.items() if not e.seen]),
+            "stops": {s: sum(e.stop == s for e in episodes) for s in sorted({e.stop for e in episodes})},
+            "mean_rounds": sum(e.rounds for e in episodes) / max(len(episodes), 1),
+            "updates": sum(e.updates for e in episodes), "tokens": sum(e.tokens for e in episodes),
+            "seconds": seconds, "solved_ids": sorted(t for t, ok in solved.items() if ok)}
+
+
+def episode_records(episodes: list[EpisodeResult]) -> list[dict]:
+    return [asdict(e) for e in episodes]
+
+
+def score_model_on_tasks(model_path: str, suite_dir: str, *, label: str, modes: tuple[str, ...] | None = None,
+                         attempts: int = 1, temperature: float = 0.0, concurrency: int = 16, seed: int = 0,
+                         progress: bool = True, **episode_options) -> dict:
+    """Load a checkpoint or export once and run the suite in each mode (default: ttt and its frozen
+    ablation for a TTT model, sft for a model without adaptive layers). What agent_report reads."""
+    from ds_ttt.evaluation.agent_report import SCORED_FORMAT
+    from ds_ttt.serve.session import AgentModel
+    from ds_ttt.tasks.suite import load_suite
+
+    suite, tasks = load_suite(suite_dir)
+    agent = AgentModel.load(model_path)
+    modes = modes or (("ttt", "frozen") if agent.model.num_adaptive else ("sft",))
+    out = {"format": SCORED_FORMAT, "label": label, "model": str(model_path),
+           "suite": {k: suite[k] for k in ("split", "seed_base", "num_per_kind", "num_tasks", "sha256", "kinds")},
+           "settings": {"attempts": attempts, "temperature": temperature, "concurrency": concurrency, "seed": seed,
+                        **episode_options},
+           "modes": {}}
+    for mode in modes:
+        t0 = time.perf_counter()
+        episodes = run_episodes(agent, tasks, mode=mode, attempts=attempts, temperature=temperature,
+                                concurrency=concurrency, seed=seed, progress=progress, **episode_options)
+        seconds = time.perf_counter() - t0
+        row = summarize(episodes, model=label, mode=mode, attempts=attempts, temperature=temperature, seconds=seconds)
+        out["modes"][mode] = {"row": row, "outcomes": task_outcomes(episodes), "episodes": episode_records(episodes)}
+    return out

@@ -1,0 +1,56 @@
+"""Write the closed-loop held-out task suite as a Harbor dataset, and check every task's test.
+
+    .venv/bin/python evals/task_suite.py --out TASKS --split test [--num-per-kind 12] [--kinds K ...]
+
+Each task's test is judged on two known agents before the suite is accepted: the reference solution
+must pass and doing nothing must fail (a task that fails either is refused, named, with its test log).
+Layout and seeds: ds_ttt/tasks/suite.py; kinds: ds_ttt/tasks/kinds.py; docs/evaluation.md,
+"Closed-loop tasks". Run it with Harbor:
+    .venv-harbor/bin/harbor run -p TASKS --agent ds_ttt.serve.harbor_agent:TTTAgent \
+        --env ds_ttt.serve.harbor_env:SandboxEnvironment --ak server_url=http://127.0.0.1:8000/v1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+
+def main(argv=None) -> int:
+    from ds_ttt.evaluation.closed_loop import verify_task
+    from ds_ttt.tasks.kinds import KINDS
+    from ds_ttt.tasks.suite import TASK_SEEDS, load_suite, write_suite
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="a new directory")
+    p.add_argument("--split", choices=sorted(TASK_SEEDS), default="test")
+    p.add_argument("--num-per-kind", type=int, default=12)
+    p.add_argument("--kinds", nargs="+", choices=sorted(KINDS), default=None, help="default: every kind")
+    p.add_argument("--no-verify", action="store_true", help="skip the oracle / nop check of every test")
+    a = p.parse_args(argv)
+    suite = write_suite(a.out, split=a.split, num_per_kind=a.num_per_kind, kinds=a.kinds)
+    if not a.no_verify:
+        from tqdm import tqdm
+
+        _, tasks = load_suite(a.out)
+        with ThreadPoolExecutor(4) as pool:  # sandbox start-up is I/O-bound
+            checked = list(tqdm(pool.map(verify_task, tasks), total=len(tasks), desc="verify", unit="task"))
+        bad = [(t, c) for t, c in zip(tasks, checked) if not c["valid"]]
+        for t, c in bad:
+            print(f"error: {t.path}: the reference solution {'passes' if c['oracle'] else 'FAILS'} and doing nothing "
+                  f"{'PASSES' if c['nop'] else 'fails'} its test:\n{c['oracle_log'] if not c['oracle'] else c['nop_log']}",
+                  file=sys.stderr)
+        if bad:
+            return 1
+    kinds = collections.Counter(t["family"] for t in suite["tasks"])
+    unseen = sum(not t["seen"] for t in suite["tasks"])
+    print(f"{suite['num_tasks']} tasks ({a.split} seeds from {suite['seed_base']}) in {a.out}: "
+          + ", ".join(f"{f} {n}" for f, n in sorted(kinds.items())) + f"; {unseen} of unseen kinds"
+          + ("" if a.no_verify else "; every test passes its reference solution and fails doing nothing"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,7 +19,9 @@ The loop is the training loop's (the data generator's and `ds_ttt.serve.runner`'
   * the conversation goes back to the server with the `session_id` its first reply named, so that TTT
     session observes each tool result (one inner step on the fast weights) before it generates the
     next action (a reply from another session — the server found the history diverged — is an error);
-  * it ends at a reply without tool calls, or after `max_rounds` replies. A reply whose only tool calls
+  * it ends at a reply without tool calls, or after `max_rounds` replies. That final reply is written to
+    ANSWER_PATH (/logs/agent/answer.txt) in the environment, where the tests of ds_ttt's held-out tasks
+    that check the agent's answer read it (ds_ttt/tasks/checks.py), and kept as logs_dir/answer.txt. A reply whose only tool calls
     did not parse (the server's `invalid_tool_calls`) also ends it (stop "invalid_tool_calls"): the
     OpenAI format has no tool result for a call without an id, whereas the training runner reports
     such calls back as `[error: invalid tool call: …]` observations.
@@ -67,6 +69,7 @@ from pydantic import Field
 import ds_ttt
 from ds_ttt.data.generator import BASH_TOOL, SYSTEM_PROMPT
 from ds_ttt.data.sandbox import CommandResult, format_observation
+from ds_ttt.tasks.checks import ANSWER_PATH
 
 AGENT_NAME = "ds-ttt"
 SERVER_URL_ENV = "DS_TTT_SERVER_URL"
@@ -243,6 +246,8 @@ class TTTAgent(BaseAgent):
             finally:
                 if stats.get("server_session"):
                     stats["deleted"] = await self._delete_session(stats["server_session"])
+        if stop == "answer":
+            await self._write_answer(environment, messages[-1]["content"])
         self._write_trajectory(session, model, steps, totals, ttt, stop=stop)
         self._fill_context(context, session, totals, ttt, len(steps) - 2, stop)
 
@@ -317,6 +322,14 @@ class TTTAgent(BaseAgent):
                     else str(choice.finish_reason)
                 break
         return stop, ttt
+
+    async def _write_answer(self, environment: BaseEnvironment, answer: str) -> None:
+        """The reply that ended the episode, for tests that check the final answer (ds_ttt/tasks/checks.py):
+        kept in the agent's logs and copied to ANSWER_PATH in the environment."""
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        path = self.logs_dir / "answer.txt"
+        path.write_text(answer)
+        await environment.upload_file(path, ANSWER_PATH)
 
     def _fill_context(self, context: AgentContext, session: str, totals: dict, ttt: dict | None, rounds: int,
                       stop: str | None) -> None:

@@ -174,6 +174,11 @@ class LocalEnvironment:
         p = subprocess.run(["bash", "-c", command], cwd=self.root, capture_output=True, text=True, timeout=timeout_sec)
         return ExecResult(stdout=p.stdout, stderr=p.stderr, return_code=p.returncode)
 
+    async def upload_file(self, source_path, target_path):  # absolute paths land under the scratch directory
+        target = self.root.parent / "fs" / target_path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source_path, target)
+
 
 async def attempt(url, env_dir, instruction):
     work = Path(tempfile.mkdtemp())
@@ -186,7 +191,9 @@ async def attempt(url, env_dir, instruction):
     await agent.run(instruction, LocalEnvironment(root), context)
     answer = (root / "answer.txt").read_text().strip() if (root / "answer.txt").exists() else None
     steps = json.loads((work / "logs" / "trajectory.json").read_text())["steps"]
-    return {"metadata": context.metadata, "answer": answer, "num_steps": len(steps)}
+    final = work / "fs" / "logs" / "agent" / "answer.txt"  # the final reply, for tests that read the answer
+    return {"metadata": context.metadata, "answer": answer, "num_steps": len(steps),
+            "final_reply": final.read_text() if final.exists() else None, "last_message": steps[-1].get("message")}
 
 
 url, env_dir, instruction = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]).read_text()
@@ -251,6 +258,7 @@ def test_ttt_agent_retries_replays_after_eviction_and_deletes_its_session(harbor
         thread.join(timeout=30)
     for run in (first, second):
         assert run["metadata"]["stop"] == "answer" and run["answer"] == "3", run
+        assert run["final_reply"] == run["last_message"] == FINAL_ANSWER  # written where answer tests read it
         assert run["metadata"]["deleted"] is True
     assert first["metadata"]["retries"] == 2 and first["metadata"]["replays"] == 1
     assert first["metadata"]["ttt"]["session_id"] != evicted[0]  # a new session took over after the replay

@@ -66,6 +66,10 @@ class TTTConfig:
     inner_steps: SGD steps on each observation (1 = the classic step; k > 1 re-scores the
         observation with the updated W before each further step; the outer loss differentiates
         through all of them).
+    first_order: the meta-gradient without second order (a control, "TTT without meta-learning"):
+        the write W' = W - lr * clip(g) is applied in training but g is not differentiated, so the
+        outer loss reaches W_0 only through W' = W_0 + const, as first-order MAML does. Evaluation and
+        serving are unchanged (they never differentiate the write). false = the full second order.
     """
 
     adaptive_layers: int | None = None
@@ -85,6 +89,7 @@ class TTTConfig:
     inner_clip: str = "global"
     fast_matrices: str = "all"
     inner_steps: int = 1
+    first_order: bool = False
 
     def validate(self, num_hidden_layers: int | None = None) -> "TTTConfig":
         """Check every field; with `num_hidden_layers`, also the layer count. Returns self."""
@@ -126,6 +131,8 @@ class TTTConfig:
                 raise ValueError(f"ttt.{name} must be one of {choices}, got {getattr(self, name)!r}")
         if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or not 1 <= self.inner_steps <= MAX_INNER_STEPS:
             raise ValueError(f"ttt.inner_steps must be an int in 1..{MAX_INNER_STEPS}, got {self.inner_steps!r}")
+        if not isinstance(self.first_order, bool):
+            raise ValueError(f"ttt.first_order must be true or false, got {self.first_order!r}")
         return self
 
     def num_adaptive(self, num_hidden_layers: int) -> int:

@@ -4,6 +4,7 @@
         [--modes ttt frozen] [--attempts K --temperature T] [--max-rounds 12] [--max-new-tokens 256] [--concurrency 16]
 
 Default modes: ttt and its frozen ablation for a TTT model, sft for a model without adaptive layers.
+--dynamic-eval-from TTT_RUN: the control without meta-learning (ds_ttt/evaluation/dynamic_eval.py).
 Greedy by default (pass@1); --attempts K with --temperature > 0 samples K episodes per task (pass@K).
 Prints one line per mode; evals/agent_tasks_report.py turns several SCORED files into the report.
 Details: ds_ttt/evaluation/closed_loop.py.
@@ -33,11 +34,14 @@ def main(argv=None) -> int:
     p.add_argument("--command-timeout", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dynamic-eval-from", default=None, metavar="TTT_RUN",
+                   help="dynamic evaluation: the SFT model at --model takes this TTT run's inner step at test time "
+                        "on its own last layers' MLPs (mode ttt; frozen = the SFT model)")
     a = p.parse_args(argv)
     scored = score_model_on_tasks(a.model, a.tasks, label=a.label, modes=tuple(a.modes) if a.modes else None,
                                   attempts=a.attempts, temperature=a.temperature, concurrency=a.concurrency,
                                   seed=a.seed, max_rounds=a.max_rounds, max_new_tokens=a.max_new_tokens,
-                                  command_timeout=a.command_timeout)
+                                  command_timeout=a.command_timeout, dynamic_eval_from=a.dynamic_eval_from)
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(scored) + "\n")

@@ -206,17 +206,20 @@ def episode_records(episodes: list[EpisodeResult]) -> list[dict]:
 
 def score_model_on_tasks(model_path: str, suite_dir: str, *, label: str, modes: tuple[str, ...] | None = None,
                          attempts: int = 1, temperature: float = 0.0, concurrency: int = 16, seed: int = 0,
-                         progress: bool = True, **episode_options) -> dict:
+                         progress: bool = True, dynamic_eval_from: str | None = None, **episode_options) -> dict:
     """Load a checkpoint or export once and run the suite in each mode (default: ttt and its frozen
-    ablation for a TTT model, sft for a model without adaptive layers). What agent_report reads."""
+    ablation for a TTT model, sft for a model without adaptive layers). What agent_report reads.
+    dynamic_eval_from: the SFT model at `model_path` takes that TTT run's inner step (dynamic_eval.py)."""
     from ds_ttt.evaluation.agent_report import SCORED_FORMAT
+    from ds_ttt.evaluation.dynamic_eval import load_model_for_scoring
     from ds_ttt.serve.session import AgentModel
     from ds_ttt.tasks.suite import load_suite
 
     suite, tasks = load_suite(suite_dir)
-    agent = AgentModel.load(model_path)
+    model, tokenizer, provenance = load_model_for_scoring(model_path, dynamic_eval_from=dynamic_eval_from)
+    agent = AgentModel(model, tokenizer, provenance)
     modes = modes or (("ttt", "frozen") if agent.model.num_adaptive else ("sft",))
-    out = {"format": SCORED_FORMAT, "label": label, "model": str(model_path),
+    out = {"format": SCORED_FORMAT, "label": label, "model": str(model_path), "provenance": provenance,
            "suite": {k: suite[k] for k in ("split", "seed_base", "num_per_kind", "num_tasks", "sha256", "kinds")},
            "settings": {"attempts": attempts, "temperature": temperature, "concurrency": concurrency, "seed": seed,
                         **episode_options},

@@ -217,17 +217,18 @@ def paired_nll_difference(units_a, units_b, *, num_resamples: int = BOOTSTRAP_RE
     return {"diff": float(diff), "lo": float(lo), "hi": float(hi), "excludes_zero": bool(lo > 0 or hi < 0)}
 
 
-def score_checkpoint(checkpoint: str, sets_dir: str, *, label: str, progress: bool = True) -> dict:
-    """One model's rows (one per mode) on the sets, with its provenance."""
-    from ds_ttt.loading import load_for_inference
+def score_checkpoint(checkpoint: str, sets_dir: str, *, label: str, progress: bool = True,
+                     dynamic_eval_from: str | None = None) -> dict:
+    """One model's rows (one per mode) on the sets, with its provenance. dynamic_eval_from: score the
+    SFT model at `checkpoint` with that TTT run's inner step at test time (dynamic_eval.py)."""
+    from ds_ttt.evaluation.dynamic_eval import load_model_for_scoring
 
     info, sets = load_sets(sets_dir)
-    loaded = load_for_inference(checkpoint, attention_backend="reference")
-    model = loaded.model
-    scored = score_model(model, loaded.tokenizer, sets, progress=progress)
+    model, tokenizer, provenance = load_model_for_scoring(checkpoint, dynamic_eval_from=dynamic_eval_from)
+    scored = score_model(model, tokenizer, sets, progress=progress)
     return {"format": ROW_FORMAT, "label": label, "checkpoint": str(checkpoint), "sets": info,
             "train_policy": model.ttt.context_policy, "adaptive_layers": model.num_adaptive,
-            "ttt": model.ttt.to_dict(), "provenance": loaded.provenance, "modes": scored}
+            "ttt": model.ttt.to_dict(), "provenance": provenance, "modes": scored}
 
 
 ROW_METRICS = ("worlds_128", "worlds_32", "readbacks_exact", "memory_action_em", "recovery_nll", "action_nll",

@@ -183,7 +183,7 @@ class InnerStepResult:
 
 def inner_sgd_step(loss: torch.Tensor, weights: FastWeights, *, lr: float, max_norm: float,
                    create_graph: bool, per_matrix: bool = False,
-                   trainable: tuple[bool, ...] | None = None) -> InnerStepResult:
+                   trainable: tuple[bool, ...] | None = None, first_order: bool = False) -> InnerStepResult:
     """One clipped SGD step on the fast weights; differentiable when create_graph=True; no host sync.
 
     The update is computed in the weights' dtype (fp32 for `inner_loop_weights`). A non-finite
@@ -193,11 +193,14 @@ def inner_sgd_step(loss: torch.Tensor, weights: FastWeights, *, lr: float, max_n
     trainable: which weights the step updates (None = all; `fast_matrices="down"` passes only the
     down projections); the others are returned unchanged and get no gradient.
     grad_norm is the pre-clip global norm over the updated weights either way.
+    first_order (with create_graph): W' stays differentiable in W, but the gradient (and its clip) is a
+    constant: the graph of `loss` is kept for the outer loss, never differentiated through the step.
     """
     trainable = trainable or (True,) * len(weights)
     wanted = [w for w, t in zip(weights, trainable) if t]
     with torch.enable_grad():
-        got = torch.autograd.grad(loss, wanted, create_graph=create_graph, allow_unused=True)
+        got = torch.autograd.grad(loss, wanted, create_graph=create_graph and not first_order,
+                                  retain_graph=create_graph, allow_unused=True)
     got = iter(torch.zeros_like(w) if g is None else g for g, w in zip(got, wanted))
     grads = tuple(next(got) if t else None for t in trainable)
     acc = fast_weight_dtype(wanted[0].dtype)  # fp32 at least (bf16 weights), fp64 in tests
@@ -236,4 +239,4 @@ def inner_update(obs_loss_sum: torch.Tensor, num_obs: int, weights: FastWeights,
     loss = obs_loss_sum if ttt.inner_loss == "sum" else obs_loss_sum / num_obs
     return inner_sgd_step(loss, weights, lr=ttt.inner_lr, max_norm=ttt.inner_max_norm, create_graph=create_graph,
                           per_matrix=ttt.inner_clip == "per_matrix",
-                          trainable=trainable_fast_weights(ttt.fast_matrices, len(weights)))
+                          trainable=trainable_fast_weights(ttt.fast_matrices, len(weights)), first_order=ttt.first_order)

@@ -85,6 +85,7 @@ class RunInfo:
             raise ValueError(f"{path}: missing {', '.join(missing)}; every checkpoint this trainer writes "
                              f"({RUN_FORMAT}) has them, so resume or export from such a checkpoint, or "
                              "start a new run")
+        fill_added_fields(d)
         return cls(checkpoint=ckpt, step=d["step"], backbone=d["backbone"], ttt=d["ttt"], run=d["run"],
                    deepspeed=d["deepspeed"], plan=d["plan"], manifest_path=d["manifest"]["path"],
                    manifest_sha256=d["manifest"]["sha256"], model_source=d["model_source"], layout=d["layout"], raw=d)
@@ -93,12 +94,30 @@ class RunInfo:
 RECORD_KEYS = ("step", "backbone", "ttt", "run", "deepspeed", "plan", "manifest", "model_source", "layout")
 
 
+# Fields added to a record format after runs were written with it: a record without one reads as the
+# value every run had before the field existed (no run before it could have had another). Any other
+# missing field is refused.
+FIELDS_ADDED = {"ttt": {"first_order": False}}
+
+
+def fill_added_fields(d: dict) -> list[str]:
+    """Fill FIELDS_ADDED into run_config.json dict `d` in place; returns the dotted names filled."""
+    filled = []
+    for key, defaults in FIELDS_ADDED.items():
+        if isinstance(d.get(key), dict):
+            for f, v in defaults.items():
+                if f not in d[key]:
+                    d[key][f] = v
+                    filled.append(f"{key}.{f}")
+    return filled
+
+
 def record_fields_missing(d: dict) -> list[str]:
     """The fields RunInfo needs that run_config.json dict `d` lacks, as dotted names."""
     from ds_ttt.config import TTTConfig
     missing = [k for k in RECORD_KEYS if k not in d]
     nested = {"manifest": ("path", "sha256"), "layout": Layout.RECORD_FIELDS,
-              "ttt": tuple(f.name for f in dataclasses.fields(TTTConfig))}
+              "ttt": tuple(f.name for f in dataclasses.fields(TTTConfig) if f.name not in FIELDS_ADDED["ttt"])}
     for key, fields in nested.items():
         if isinstance(d.get(key), dict):
             missing += [f"{key}.{f}" for f in fields if f not in d[key]]

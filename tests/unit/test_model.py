@@ -380,3 +380,45 @@ def test_tied_embedding_trains_with_the_head(tiny_qwen3_config):
     untied.trajectory_loss(ids, kinds, rounds).loss.backward()
     torch.testing.assert_close(both, untied.lm_head.weight.grad + untied.model.embed_tokens.weight.grad)
     assert float(untied.model.embed_tokens.weight.grad.abs().sum()) > 0  # both terms really contribute
+
+
+def test_first_order_applies_the_write_but_does_not_differentiate_it():
+    """first_order: the meta-gradient of g(W'), W' = W - lr*clip(dL/dW), is dg/dW' at W' (the write is a
+    constant shift); second order differs by the Hessian term. The step itself is the same."""
+
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    inner = lambda w: ((w * a).sum() ** 2 + (w ** 3 * b).sum())  # noqa: E731 - a curved inner loss
+    outer = lambda w: (torch.sin(w) * b).sum()  # noqa: E731
+    steps = {}
+    for first in (False, True):
+        res = inner_sgd_step(inner(w), (w,), lr=0.3, max_norm=2.0, create_graph=True, first_order=first)
+        (steps[first],) = res.weights
+        (grad,) = torch.autograd.grad(outer(steps[first]), w)
+        steps[f"grad_{first}"] = grad
+    assert torch.equal(steps[True], steps[False])  # the same write
+    w_new = steps[True].detach().requires_grad_(True)
+    (expected,) = torch.autograd.grad(outer(w_new), w_new)
+    assert torch.allclose(steps["grad_True"], expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(steps["grad_False"], expected, atol=1e-3)  # second order is not that
+
+
+def test_first_order_event_loop_keeps_the_loss_and_changes_only_the_meta_gradient():
+    cfg = _tiny64()
+    ids, kinds, rounds = trajectory(num_rounds=3, vocab=32)
+    out = {}
+    for first in (False, True):
+        model = make_model(cfg, dtype=torch.float64, adaptive_layers=1, prime_intermediate_size=4, inner_lr=0.5,
+                           checkpoint_events=False, obs_loss_weight=1.0, first_order=first)
+        res = model.trajectory_loss(ids, kinds, rounds)
+        res.loss.backward()
+        grads = [p.grad.clone() for p in model.adaptive_layers[0].prime_mlp.initial_weights()]
+        with torch.no_grad():
+            evaluated = model.trajectory_loss(ids, kinds, rounds, create_graph=False).loss
+        out[first] = (res.loss.detach(), grads, evaluated)
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][2], out[False][2])
+    assert all(torch.isfinite(g).all() for g in out[True][1])
+    assert any(not torch.allclose(g1, g2) for g1, g2 in zip(out[True][1], out[False][1]))
+    with pytest.raises(ValueError, match="first_order must be true or false"):
+        TTTConfig(first_order="yes").validate()

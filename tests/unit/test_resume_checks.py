@@ -133,3 +133,22 @@ def test_a_record_that_is_not_json_is_refused_by_name(tmp_path):
     path.write_text(path.read_text()[:-20])  # cut short
     with pytest.raises(ValueError, match=rf"^{path}: not valid JSON \(.*line 1 column"):
         RunInfo.read(info.checkpoint)
+
+
+def test_a_field_added_later_reads_as_the_value_every_older_run_had(tmp_path):
+    """ttt.first_order came after runs were written: such a record reads as second order (what every
+    run before the field was), while any other missing field is still refused."""
+    from ds_ttt.train.run_record import FIELDS_ADDED
+
+    info, _ = saved_info(tmp_path)
+    path = info.checkpoint / RUN_CONFIG
+    d = json.loads(path.read_text())
+    assert d["ttt"]["first_order"] is False  # the trainer writes it
+    del d["ttt"]["first_order"]
+    path.write_text(json.dumps(d))
+    assert RunInfo.read(info.checkpoint).ttt_config().first_order is False
+    assert FIELDS_ADDED == {"ttt": {"first_order": False}}
+    del d["ttt"]["inner_steps"]
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"missing ttt\.inner_steps;"):
+        RunInfo.read(info.checkpoint)

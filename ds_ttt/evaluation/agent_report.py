@@ -56,7 +56,9 @@ def paired_success_difference(a: dict[str, bool], b: dict[str, bool], *, num_res
             "a_only": a_only, "b_only": b_only, "mcnemar_p": mcnemar_exact_p(a_only, b_only)}
 
 
-def build_report(scored: list[dict], *, command: str, seeds: dict, load: dict) -> dict:
+def build_report(scored: list[dict], *, command: str, seeds: dict, load: dict,
+                 pairs: list[tuple[str, str]] = ()) -> dict:
+    """`pairs`: more comparisons, each ("model/mode", "model/mode"), after the default ones (module docstring)."""
     suites = {json.dumps(s["suite"], sort_keys=True) for s in scored}
     if len(suites) != 1:
         raise ValueError("build_report: the models were scored on different task suites")
@@ -68,11 +70,18 @@ def build_report(scored: list[dict], *, command: str, seeds: dict, load: dict) -
             rows.append(dict(res["row"]))
             outcomes[(s["label"], mode)] = res["outcomes"]
     keys = list(outcomes)
-    pairs = [(keys[0], k) for k in keys[1:]]
-    pairs += [((label, "ttt"), (label, "frozen")) for label, mode in keys
-              if mode == "ttt" and (label, "frozen") in outcomes and ((label, "ttt"), (label, "frozen")) not in pairs]
+    todo = [(keys[0], k) for k in keys[1:]]
+    todo += [((label, "ttt"), (label, "frozen")) for label, mode in keys
+             if mode == "ttt" and (label, "frozen") in outcomes and ((label, "ttt"), (label, "frozen")) not in todo]
+    for a, b in pairs:
+        ka, kb = tuple(a.split("/", 1)), tuple(b.split("/", 1))
+        for k in (ka, kb):
+            if k not in outcomes:
+                raise ValueError(f"pair {a} {b}: no row {'/'.join(k)}; rows: {['/'.join(x) for x in outcomes]}")
+        if (ka, kb) not in todo:
+            todo.append((ka, kb))
     paired = [{"a": f"{a[0]}/{a[1]}", "b": f"{b[0]}/{b[1]}", "metric": rows[0]["metric"],
-               **paired_success_difference(outcomes[a], outcomes[b])} for a, b in pairs]
+               **paired_success_difference(outcomes[a], outcomes[b])} for a, b in todo]
     return {"format": REPORT_FORMAT, "suite": scored[0]["suite"], "rows": rows, "paired": paired,
             "command": command, "seeds": seeds, "load": load}
 

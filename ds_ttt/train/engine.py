@@ -42,8 +42,8 @@ from ds_ttt.train.atomic_io import write_json_atomic
 from ds_ttt.train.data_loader import TrajectoryBatches, collate, samples_from_manifest
 from ds_ttt.train.deepspeed_config import batch_sizes, validate_deepspeed
 from ds_ttt.train.layout import Layout
-from ds_ttt.train.layout_move import (LOAD_UNIVERSAL, Move, check_movable, check_target_zero, convert_for_move,
-                                     layout_words, load_moved)
+from ds_ttt.train.layout_move import (Move, check_movable, check_target_zero, convert_for_move, layout_words,
+                                     load_moved, with_universal_load)
 from ds_ttt.train.logging import MetricsLogger, peak_memory_bytes
 from ds_ttt.train.objective import StepObjective
 from ds_ttt.train.pipeline import STAT_KEYS, TTTPipelineModule
@@ -236,7 +236,7 @@ class Trainer:
         check_shared_output(run_dir)  # every rank writes into the checkpoint folders rank 0 renames
         if start.move is not None:  # the source run is only read; the converted state goes into RUN_DIR
             moved = convert_for_move(start.move, run_dir, rank=rank, share=broadcast_from_rank0)
-            ds_engine = {**ds_resolved, **LOAD_UNIVERSAL}  # this launch's load only; the record keeps ds_resolved
+            ds_engine = with_universal_load(ds_resolved)  # this launch's load only; the record keeps ds_resolved
         torch.manual_seed(run.seed)
         module = TTTPipelineModule(backbone, run.ttt, layout, seed=run.seed)
         if run.model and start.info is None:

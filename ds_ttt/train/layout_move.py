@@ -1,9 +1,10 @@
 """Moving a run to another machine shape: `--resume RUN --deepspeed_config OTHER.json --output NEW_RUN`.
 
-    from ds_ttt.train.layout_move import check_movable, convert_for_move, load_moved
-    check_movable(run, info, data_order)                         # refusals, before anything is built
+    from ds_ttt.train.layout_move import check_movable, convert_for_move, load_moved, with_universal_load
+    check_movable(run, info, data_order)                             # refusals, before anything is built
     moved = convert_for_move(move, run_dir, rank=r, share=broadcast)  # rank 0 converts; all wait
-    client = load_moved(engine, moved, rank=r)                   # after deepspeed.initialize
+    engine = deepspeed.initialize(..., config=with_universal_load(ds))
+    client = load_moved(engine, moved, move, rank=r)                 # layer files, universal state, RNG
 
 What may change: the number of pipeline stages (and the partition), the data-parallel size and the
 micro-batch / accumulation split. What must not: the global batch (train_batch_size), the model
@@ -33,9 +34,14 @@ The converted checkpoint is written into NEW_RUN/.tmp-moved-<tag>/, flushed and 
 NEW_RUN/moved-<tag>/ (atomic_io.py); it is removed once every rank has loaded it. A kill during the
 conversion leaves the source run untouched and NEW_RUN without a `latest`: rerun the same command.
 
+Loading: every file of the source is first checked to load with weights_only=True (DeepSpeed's few
+objects allow-listed, safe_loading.py), because ds_to_universal and DeepSpeed's universal loader call
+torch.load(weights_only=False); the converted files they then read were written by this launch.
+
 The source must hold ZeRO partitions (zero_optimization.stage 1, every shipped config); a stage-0
 run is refused (DeepSpeed's universal conversion reads ZeRO files only). Tests:
-tests/unit/test_layout_move.py (refusals, conversion), tests/e2e/test_layout_move.py (three moves).
+tests/unit/test_resume_checks.py (the refusals), tests/e2e/test_layout_move.py (three moves against
+uninterrupted runs, an exact resume after each, a kill during the conversion).
 """
 
 from __future__ import annotations
@@ -62,8 +68,6 @@ TMP_MOVED_PREFIX = ".tmp-" + MOVED_PREFIX
 UNIVERSAL_DIR = "zero"  # ds_to_universal's per-parameter folder inside a converted checkpoint
 # TTT settings that choose an implementation, not the computation: a move may change them.
 IMPLEMENTATION_TTT = ("attention_backend", "checkpoint_events")
-# DeepSpeed's switch that makes engine.load_checkpoint read a universal checkpoint (this launch only).
-LOAD_UNIVERSAL = {"checkpoint": {"load_universal": True}}
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,12 @@ def check_target_zero(ds: dict) -> None:
     if zero < 1:
         raise ValueError(f"--resume into another layout: zero_optimization.stage={zero} in the DeepSpeed config; "
                          "the universal checkpoint is loaded by the ZeRO optimizer: set zero_optimization.stage=1")
+
+
+def with_universal_load(ds: dict) -> dict:
+    """The DeepSpeed dict for the engine of a move: `checkpoint.load_universal` on (DeepSpeed's switch
+    that makes engine.load_checkpoint read a universal checkpoint), the rest as given."""
+    return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
 
 
 def moved_dir(run_dir: pathlib.Path, source: pathlib.Path) -> pathlib.Path:
@@ -195,7 +205,7 @@ def convert_for_move(move: Move, run_dir: pathlib.Path, *, rank: int, share=lamb
 
 
 def load_moved(engine, moved: pathlib.Path, move: Move, *, rank: int) -> dict:
-    """Load a converted checkpoint into an engine built with LOAD_UNIVERSAL: every layer of this
+    """Load a converted checkpoint into an engine built with `with_universal_load`: every layer of this
     stage from the copied layer files (frozen parameters included), then the universal state
     (optimizer-held weights, AdamW moments, LR schedule, global step, client state), then the RNG of
     old rank rank mod source_world. Returns the client state."""

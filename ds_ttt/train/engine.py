@@ -141,7 +141,8 @@ def resolve_start(run: RunConfig, manifest, backbone, layout: Layout, data_order
         if moving:
             check_movable(run, info, data_order)
             saved_layout, saved_order = info.pipeline_layout(), info.raw["data_order"]
-            move = Move(source=info.checkpoint, source_world=saved_layout.num_stages * saved_order["data_parallel_size"],
+            move = Move(source=info.checkpoint,
+                        source_world=saved_layout.num_stages * saved_order["data_parallel_size"],
                         old=layout_words(saved_layout.num_stages, saved_order),
                         new=layout_words(layout.num_stages, data_order))
         data_stage, stage_start_step = info.raw["data_stage"], info.raw["stage_start_step"]

@@ -35,7 +35,8 @@ def saved_info(tmp_path, *, step=6, stage_start_step=0, data_order=SAVED_ORDER, 
     backbone = backbone_config("tiny")
     layout = resolve_layout(2, backbone.num_hidden_layers, TTT)
     run = RunConfig(data="x/manifest.json", output=str(tmp_path), ttt=TTT)
-    res = resolved_config(run=run, backbone=backbone, ds={"pipeline": {"stages": 2}, "zero_optimization": {"stage": zero_stage}}, plan=None,
+    ds = {"pipeline": {"stages": 2}, "zero_optimization": {"stage": zero_stage}}
+    res = resolved_config(run=run, backbone=backbone, ds=ds, plan=None,
                           layout=layout, manifest_path="x/manifest.json", manifest_sha256="abc",
                           stage_start_step=stage_start_step, data_order=data_order)
     d = tmp_path / ck.tag_for(step)

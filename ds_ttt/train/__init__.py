@@ -10,6 +10,7 @@ One concept per module:
   pipeline.py         the TTT Qwen3 as a DeepSpeed PipelineModule
   engine.py           Trainer: build, step, train (the loop)
   resume_checks.py    what --resume and --start-stage-from refuse
+  layout_move.py      --resume into another layout: the universal conversion and its load
   checkpoint.py       the atomic save/load protocol of RUN_DIR's checkpoints
   atomic_io.py        durable, atomic file writes
   rng_state.py        per-rank RNG states, weights_only-loadable

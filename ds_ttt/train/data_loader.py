@@ -5,6 +5,9 @@ the next `train_batch_size` trajectories. Within a global batch the trajectories
 (bucketing: similar lengths share a micro-batch) and dealt to micro-batches; data-parallel rank d
 gets micro-batches d, d + dp, d + 2 dp, ... The cursor is simply the stage step, so resuming at step k
 reproduces exactly the batches an uninterrupted run would see (every rank computes the same order).
+Which trajectories step k draws depends on train_batch_size, the seed and the train split only, never
+on the layout (micro-batch, accumulation, dp size): each rank takes its slice of the same global batch,
+so a run moved to another layout continues on the same data (ds_ttt/train/layout_move.py).
 
 Padding: right padding to a multiple of `bucket` tokens (capped at the capacity), token id 0,
 kind -1 (no loss, and the event loop stops at the first pad), round id = the row's last round (round

@@ -5,10 +5,14 @@
 
 Three ways to start (`resolve_start`; ds_ttt/train/checkpoint.py has the files):
   fresh                 plan fixed from the data (--max_steps or epochs), schedule starts at 0;
-  --resume CKPT         same manifest (hash checked), plan, batch layout and pipeline (refused with the
-                        key, both values and the fix otherwise: ds_ttt/train/resume_checks.py); weights,
+  --resume CKPT         same manifest (hash checked), plan and global batch (refused with the key, both
+                        values and the fix otherwise: ds_ttt/train/resume_checks.py); weights,
                         optimizer, scheduler, RNG and the saved data cursor (checked against the step)
                         continue exactly (per-step losses equal an uninterrupted run);
+  --resume CKPT --output NEW with another layout (stages, partition, dp size, micro x accumulation):
+                        a move (ds_ttt/train/layout_move.py): the checkpoint is converted into NEW
+                        (DeepSpeed's universal checkpoint + the layer files) and the run continues
+                        there with the losses it would have had (to fp32 summation order);
   --start-stage-from C  a new data stage: a new manifest and a new output dir; weights, optimizer and
                         RNG are kept, the data order and the schedule restart (a new plan), the
                         cumulative step count continues; train/test ids must not cross between stages.
@@ -22,6 +26,7 @@ collective, on every rank alike); `Trainer.step` runs one optimizer step; `Train
 from __future__ import annotations
 
 import pathlib
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -37,6 +42,8 @@ from ds_ttt.train.atomic_io import write_json_atomic
 from ds_ttt.train.data_loader import TrajectoryBatches, collate, samples_from_manifest
 from ds_ttt.train.deepspeed_config import batch_sizes, validate_deepspeed
 from ds_ttt.train.layout import Layout
+from ds_ttt.train.layout_move import (Move, check_movable, check_target_zero, convert_for_move, layout_words,
+                                     load_moved, with_universal_load)
 from ds_ttt.train.logging import MetricsLogger, peak_memory_bytes
 from ds_ttt.train.objective import StepObjective
 from ds_ttt.train.pipeline import STAT_KEYS, TTTPipelineModule
@@ -77,6 +84,13 @@ def set_step_objective(last, engine, batches: TrajectoryBatches, step: int, ttt)
     return objective
 
 
+def broadcast_from_rank0(obj):
+    """Rank 0's `obj` on every rank (a collective: every rank calls it)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather_stats(module: TTTPipelineModule, peak: int) -> dict:
     """The last stage's per-step statistics summed over the data-parallel replicas, and the peak
     memory (max over every rank)."""
@@ -103,6 +117,7 @@ class StageStart:
     data_stage: int
     stage_start_step: int
     history: list[dict]
+    move: Move | None = None  # --resume into another layout
 
 
 def resolve_start(run: RunConfig, manifest, backbone, layout: Layout, data_order: dict, *, resume: str | None,
@@ -117,11 +132,19 @@ def resolve_start(run: RunConfig, manifest, backbone, layout: Layout, data_order
     if info is not None:
         check_same_model(run, info, backbone)
         history = info.stage_history()
+    move = None
     if resume:
-        check_resume_source(run, info, manifest)
+        moving = check_reproducible(info, data_order, layout)
+        check_resume_source(run, info, manifest, moving=moving)
         plan = Plan(**info.plan)
         check_plan_unchanged(run, plan.planned_steps, info)
-        check_reproducible(info, data_order, layout)
+        if moving:
+            check_movable(run, info, data_order)
+            saved_layout, saved_order = info.pipeline_layout(), info.raw["data_order"]
+            move = Move(source=info.checkpoint,
+                        source_world=saved_layout.num_stages * saved_order["data_parallel_size"],
+                        old=layout_words(saved_layout.num_stages, saved_order),
+                        new=layout_words(layout.num_stages, data_order))
         data_stage, stage_start_step = info.raw["data_stage"], info.raw["stage_start_step"]
         history = history[:-1]  # this stage's own entry is re-added below
     else:
@@ -136,14 +159,19 @@ def resolve_start(run: RunConfig, manifest, backbone, layout: Layout, data_order
     history = history + [{"data_stage": data_stage, "manifest": str(pathlib.Path(run.data).resolve()),
                           "sha256": manifest.sha256, "train": sorted(manifest.ids("train")),
                           "test": sorted(manifest.ids("test"))}]
-    return StageStart(info, plan, data_stage, stage_start_step, history)
+    return StageStart(info, plan, data_stage, stage_start_step, history, move)
 
 
-def restore(engine, start: StageStart, batches: TrajectoryBatches, *, resume: bool, rank: int) -> int:
-    """Load the checkpoint a launch continues from, or start the schedule of a new stage; returns the
-    stage step to start at (checked against DeepSpeed's restored global step)."""
+def restore(engine, start: StageStart, batches: TrajectoryBatches, *, resume: bool, rank: int,
+            moved: pathlib.Path | None = None) -> int:
+    """Load the checkpoint a launch continues from (`moved`: its conversion for this layout), or start
+    the schedule of a new stage; returns the stage step to start at (checked against DeepSpeed's
+    restored global step)."""
     if resume:
-        client = ckpt.load_checkpoint(engine, start.info.checkpoint, rank=rank)
+        if moved is not None:
+            client = load_moved(engine, moved, start.move, rank=rank)
+        else:
+            client = ckpt.load_checkpoint(engine, start.info.checkpoint, rank=rank)
         stage_step = resume_cursor(client, start.info, batches.steps_per_epoch, batches.global_batch)
     elif start.info is not None:  # --start-stage-from: weights, optimizer, RNG; a new schedule
         ckpt.load_checkpoint(engine, start.info.checkpoint, rank=rank, load_scheduler=False)
@@ -162,12 +190,13 @@ class Trainer:
 
     def __init__(self, run: RunConfig, *, engine, module: TTTPipelineModule, batches: TrajectoryBatches,
                  start: StageStart, resolved: dict, layout: Layout, data_order: dict, manifest_sha256: str,
-                 stage_step: int, resume: bool, on_save_phase=None):
+                 stage_step: int, resume: bool, on_save_phase=None, move_note: str | None = None):
         self.run, self.engine, self.module, self.batches = run, engine, module, batches
         self.plan, self.data_stage, self.stage_start_step = start.plan, start.data_stage, start.stage_start_step
         self.history, self.resolved, self.layout, self.data_order = start.history, resolved, layout, data_order
         self.manifest_sha256, self.stage_step, self.resume = manifest_sha256, stage_step, resume
         self.on_save_phase = on_save_phase
+        self.move_note = move_note  # what a move did (logged at the start of train())
         self.rank = dist.get_rank()
         self.run_dir = pathlib.Path(run.output)
         self.last = module.last_stage_layer()  # None off the last stage
@@ -193,6 +222,8 @@ class Trainer:
         data_order = dict(zip(DATA_ORDER_KEYS, (*batch_sizes(ds, dp), dp)))
         start = resolve_start(run, manifest, backbone, layout, data_order, resume=resume,
                               start_stage_from=start_stage_from)
+        if start.move is not None:
+            check_target_zero(ds)
         ds_resolved = resolved_deepspeed(ds, start.plan)
         resolved = resolved_config(run=run, backbone=backbone, ds=ds_resolved, plan=start.plan, layout=layout,
                                    manifest_path=run.data, manifest_sha256=manifest.sha256,
@@ -202,13 +233,17 @@ class Trainer:
                                    data_order=data_order, tokenizer=manifest_tokenizer(manifest))
 
         run_dir = pathlib.Path(run.output)
+        ds_engine, moved = ds_resolved, None
         check_shared_output(run_dir)  # every rank writes into the checkpoint folders rank 0 renames
+        if start.move is not None:  # the source run is only read; the converted state goes into RUN_DIR
+            moved = convert_for_move(start.move, run_dir, rank=rank, share=broadcast_from_rank0)
+            ds_engine = with_universal_load(ds_resolved)  # this launch's load only; the record keeps ds_resolved
         torch.manual_seed(run.seed)
         module = TTTPipelineModule(backbone, run.ttt, layout, seed=run.seed)
         if run.model and start.info is None:
             load_hf_weights({hf: p for _, _, hf, p in module.local_hf_named_parameters()}, run.model, backbone)
         params = [p for p in module.parameters() if p.requires_grad]
-        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds_resolved)
+        engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds_engine)
         loads_data = engine.is_first_stage() or engine.is_last_stage()
         batches = TrajectoryBatches(samples_from_manifest(manifest, "train") if loads_data else None,
                                     num_samples=len(manifest.ids("train")),
@@ -218,15 +253,23 @@ class Trainer:
                                     dp_rank=engine.grid.data_parallel_id, dp_size=dp,
                                     seed=run.seed + DATA_SEED_STRIDE * start.data_stage, bucket=run.bucket,
                                     capacity=manifest.capacity)
-        stage_step = restore(engine, start, batches, resume=bool(resume), rank=rank)
+        stage_step = restore(engine, start, batches, resume=bool(resume), rank=rank, moved=moved)
 
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             write_json_atomic(run_dir / RUN_CONFIG, resolved)
         dist.barrier()
+        move_note = None
+        if moved is not None:
+            if rank == 0:
+                shutil.rmtree(moved)  # every rank has loaded it (barrier above); the source still holds the state
+            move_note = (f"[ds_ttt] moved {start.move.source} ({start.move.describe()}): DeepSpeed universal "
+                         "checkpoint (ds_to_universal + load_universal: optimizer-held weights, AdamW moments, LR "
+                         "schedule, step, data cursor) + ds_ttt reassembly of the layer files by spec index "
+                         "(frozen weights); RNG of old rank r mod " + str(start.move.source_world))
         return cls(run, engine=engine, module=module, batches=batches, start=start, resolved=resolved, layout=layout,
                    data_order=data_order, manifest_sha256=manifest.sha256, stage_step=stage_step,
-                   resume=bool(resume), on_save_phase=on_save_phase)
+                   resume=bool(resume), on_save_phase=on_save_phase, move_note=move_note)
 
     def step(self) -> dict:
         """One optimizer step (stage step k -> k + 1): set the step's objective on the last stage, run
@@ -274,6 +317,8 @@ class Trainer:
                        f"{self.batches.num_samples} train trajectories, global batch {order['train_batch_size']} = "
                        f"{order['train_micro_batch_size_per_gpu']} x {order['gradient_accumulation_steps']} x "
                        f"{order['data_parallel_size']}; starting at stage step {self.stage_step}")
+        if self.move_note:
+            logger.message(self.move_note)
         try:
             while self.stage_step < self.target:
                 record = self.step()

@@ -4,10 +4,12 @@
     from ds_ttt.train.resume_checks import check_reproducible, resume_cursor
 
 --resume continues exactly or not at all: the same model (backbone, STRUCTURAL_TTT), manifest
-(sha256), RUN_DIR, plan, batch layout (DATA_ORDER_KEYS) and pipeline (stages, partition); the saved
-data cursor must agree with the saved step. --start-stage-from keeps the model and needs a fresh
-RUN_DIR whose train/test ids do not cross an earlier stage's. Tests: tests/unit/test_resume_checks.py,
-tests/unit/test_train_config.py (stage overlap).
+(sha256), plan and global batch (train_batch_size); the saved data cursor must agree with the saved
+step. In the checkpoint's own layout (DATA_ORDER_KEYS and the pipeline's stages and partition all as
+recorded) it continues in the checkpoint's RUN_DIR, bit for bit. In another layout (`check_reproducible`
+returns True) it is a move: a new RUN_DIR, and the further refusals of ds_ttt/train/layout_move.py.
+--start-stage-from keeps the model and needs a fresh RUN_DIR whose train/test ids do not cross an
+earlier stage's. Tests: tests/unit/test_resume_checks.py, tests/unit/test_train_config.py (stage overlap).
 """
 
 from __future__ import annotations
@@ -37,13 +39,20 @@ def check_same_model(run: RunConfig, info: RunInfo, backbone) -> None:
                              f"{saved!r}; keep it the same to continue from that checkpoint")
 
 
-def check_resume_source(run: RunConfig, info: RunInfo, manifest) -> None:
-    """--resume reads the checkpoint's manifest and writes into the checkpoint's RUN_DIR."""
+def check_resume_source(run: RunConfig, info: RunInfo, manifest, *, moving: bool = False) -> None:
+    """--resume reads the checkpoint's manifest and writes into the checkpoint's RUN_DIR; a move
+    (`moving`: another layout) writes into a new RUN_DIR and never into the source run."""
     if manifest.sha256 != info.manifest_sha256:
         raise ValueError(f"--resume: {run.data} (sha256 {manifest.sha256[:12]}…) is not the manifest of "
                          f"{info.checkpoint} ({info.manifest_path}, {info.manifest_sha256[:12]}…); resume with the "
                          "same data, or begin a new data stage with --start-stage-from")
     run_dir = pathlib.Path(run.output)
+    if moving:
+        if run_dir.resolve() == info.checkpoint.parent.resolve():
+            raise ValueError(f"--resume into another layout writes a new RUN_DIR and leaves the source run "
+                             f"{run_dir} as it is: pass --output NEW_RUN_DIR")
+        check_fresh_output(run_dir)
+        return
     if run_dir.resolve() != info.checkpoint.parent.resolve():
         raise ValueError(f"--resume continues in the checkpoint's RUN_DIR {info.checkpoint.parent}; "
                          f"--output {run_dir} differs (omit --output or pass that directory)")
@@ -66,26 +75,22 @@ def saved_data_order(info: RunInfo) -> dict:
     return order
 
 
-def check_reproducible(info: RunInfo, data_order: dict, layout) -> None:
-    """--resume continues exactly or not at all: the batch layout (which trajectories form each
-    micro-batch and each rank's share) and the pipeline (stages, partition) must be the checkpoint's."""
+def check_reproducible(info: RunInfo, data_order: dict, layout) -> bool:
+    """--resume continues exactly or not at all. The global batch (train_batch_size) decides which
+    trajectories every step trains on, so it must be the checkpoint's. Returns whether the layout
+    (micro-batch / accumulation split, data-parallel size, pipeline stages or partition) differs from
+    the checkpoint's: False = an exact resume in place, True = a move (ds_ttt/train/layout_move.py)."""
     saved = saved_data_order(info)
     where = info.checkpoint / RUN_CONFIG
-    for key in DATA_ORDER_KEYS:
-        if saved[key] != data_order[key]:
-            what = ("launch with world size = pipeline.stages x " + str(saved[key])) if key == "data_parallel_size" \
-                else f"set {key}={saved[key]} in the DeepSpeed config"
-            raise ValueError(f"--resume: {key} is {data_order[key]} now but {saved[key]} in {where}; it changes the "
-                             f"data order, so the run cannot continue exactly: {what}, or begin a new data stage "
-                             "with --start-stage-from")
+    key = "train_batch_size"
+    if saved[key] != data_order[key]:
+        raise ValueError(f"--resume: {key} is {data_order[key]} now but {saved[key]} in {where}; the global batch "
+                         f"decides the data order, so the run cannot continue with another: set {key}={saved[key]} "
+                         "in the DeepSpeed config, or begin a new data stage with --start-stage-from")
     saved_layout = info.pipeline_layout()
-    for key, old, new in (("pipeline.stages", saved_layout.num_stages, layout.num_stages),
-                          ("partition", list(saved_layout.prefix_per_stage), list(layout.prefix_per_stage))):
-        if old != new:
-            fix = f"set pipeline.stages={old} in the DeepSpeed config" if key == "pipeline.stages" \
-                else f"set partition={old} in the run config"
-            raise ValueError(f"--resume: {key} is {new} now but {old} in {where}; the checkpoint's layer files "
-                             f"belong to that layout: {fix}, or begin a new data stage with --start-stage-from")
+    return (any(saved[k] != data_order[k] for k in DATA_ORDER_KEYS)
+            or saved_layout.num_stages != layout.num_stages
+            or tuple(saved_layout.prefix_per_stage) != tuple(layout.prefix_per_stage))
 
 
 def check_fresh_output(run_dir: pathlib.Path) -> None:

@@ -164,6 +164,25 @@ def test_data_order_is_deterministic_resumable_and_covers_each_epoch():
     assert loader(with_samples=False).steps_per_epoch == 2
 
 
+@pytest.mark.parametrize("micro,gas,dp", [(1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (4, 1, 1)])
+def test_each_step_draws_the_same_trajectories_in_every_layout(micro, gas, dp):
+    """The global batch alone decides a step's trajectories (a run moved to another layout continues
+    on the same data); the ranks' micro-batches are a partition of it. Reference: the main job's
+    layout, micro 1 x accumulation 2 x dp 2."""
+    s = samples()
+    for k in range(6):
+        want = sorted(r.id for mb in loader().step_micro_batches(k) for r in mb)
+        got = []
+        for rank in range(dp):
+            other = TrajectoryBatches(s, num_samples=len(s), train_batch_size=4, micro_batch_size=micro,
+                                      gradient_accumulation_steps=gas, dp_rank=rank, dp_size=dp, seed=0, bucket=8,
+                                      capacity=64)
+            mbs = other.rank_micro_batches(k)
+            assert len(mbs) == gas and all(len(mb) == micro for mb in mbs)
+            got += [r.id for mb in mbs for r in mb]
+        assert sorted(got) == want and len(set(got)) == 4
+
+
 def test_collate_pads_right_with_kind_minus_one():
     ids, kinds, rounds = collate([([5, 6, 7], [0, 1, 2], [0, 1, 1]), ([1], [0], [0])], bucket=4, capacity=100)
     assert ids.shape == (2, 4)

@@ -68,10 +68,10 @@ class CgroupCaps:
             raise ValueError(f"max_episode_cpus={self.cpus}: give a number of cores between 0.01 and 1024")
 
 
-def own_cgroups(proc_file: str = PROC_SELF_CGROUP) -> dict[str, str]:
+def own_cgroups(proc_file: str | None = None) -> dict[str, str]:
     """{controller: path of this process's cgroup} from /proc/self/cgroup; the v2 line is under ""."""
     out = {}
-    for line in Path(proc_file).read_text().splitlines():
+    for line in Path(proc_file or PROC_SELF_CGROUP).read_text().splitlines():
         _hid, controllers, path = line.split(":", 2)
         for c in controllers.split(",") if controllers else [""]:
             out[c] = path

@@ -107,7 +107,6 @@ EPISODE_PROCESSES = MAX_PROCESSES + 16  # pids.max: RLIMIT_NPROC stops a bomb fi
 EPISODE_CPUS = 1.0  # CPU time per wall second, all its processes together: one of the two cores
 MEMORY_HEADROOM_BYTES = 64 << 20  # the memory cap must exceed the full tmpfs mounts by this (a shell must still run)
 OOM_POLL_SEC = 0.05  # while a command runs, how often the host looks for an OOM kill in the cgroup
-OOM_SETTLE_SEC = 0.3  # after one, how long the host waits for the shell to report (it may be the victim) before stopping the command
 MAX_TRANSFER_BYTES = 1 << 30  # read() / get_tree()
 SYSTEM_DIRS = ("usr", "etc")  # bound read-only
 SYSTEM_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")  # merged-/usr links, or read-only binds
@@ -293,18 +292,6 @@ def _start_time(pid: int) -> int:
             return int(f.read().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return -1
-
-
-def _alive(proc: tuple[int, int] | None) -> bool:
-    """Is (pid, start time) still that process, and not a zombie?"""
-    if proc is None:
-        return False
-    try:
-        with open(f"/proc/{proc[0]}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0] != "Z" and int(fields[19]) == proc[1]
-    except (OSError, IndexError, ValueError):
-        return False
 
 
 def _inner_pid(pid: int) -> int | None:
@@ -526,7 +513,10 @@ class Sandbox:
         """Kill every process of the sandbox (for bwrap: its PID namespace ends with its PID 1)."""
         if self._proc is None:
             return
-        _kill(_tree(self._proc.pid))  # the sandbox's processes first, so bwrap reaps its PID 1 and exits
+        procs = _tree(self._proc.pid)
+        if self.isolation == "none":  # the supervisor is the process itself: killed first, it starts no new shell
+            procs.insert(0, (self._proc.pid, 0))
+        _kill(procs)  # the sandbox's processes first, so bwrap reaps its PID 1 and exits
         try:
             self._proc.wait(timeout=KILL_GRACE_SEC)
         except subprocess.TimeoutExpired:
@@ -699,21 +689,23 @@ class Sandbox:
             self._drain(self._out, out, cap)
             self._drain(self._err, err, cap)
             marks = (len(out), len(err))  # what the command printed before it was stopped is its output
+            if self._driver is not None:
+                try:
+                    os.kill(self._driver[0], signal.SIGUSR1)  # first, so the shell abandons the command line
+                except ProcessLookupError:
+                    pass
             if memory_hit:
-                # the OOM killer may have taken the shell itself (a command substitution holds its output in
-                # the shell; the victim can take a moment to die): the supervisor then reports its exit and
-                # starts a new shell, which must not be killed as one of the command's processes. So wait a
-                # little, killing nothing; the command's leftovers are killed once the new shell is ready.
-                status = self._collect(time.monotonic() + (KILL_GRACE_SEC if not _alive(self._driver) else OOM_SETTLE_SEC),
-                                       out, err, cap, stop_at_cap=False)
-                if status is not None and status[0] == "status":
-                    marks = None  # it finished meanwhile: its output and exit code are its own
-            if status is None:
-                if self._driver is not None:
-                    try:
-                        os.kill(self._driver[0], signal.SIGUSR1)  # first, so the shell abandons the command line
-                    except ProcessLookupError:
-                        pass
+                # The OOM killer may have taken the shell itself (a command substitution holds its output in
+                # the shell). The supervisor would then start a new shell, which the kill rounds must not
+                # take for one of the command's processes: it is stopped (SIGSTOP reaches a PID 1 from the
+                # host) until they are done, then reports the old shell's exit, if it ended, and starts one.
+                _kill([self._supervisor], signal.SIGSTOP)
+                try:
+                    self._kill_new(before)
+                finally:
+                    _kill([self._supervisor], signal.SIGCONT)
+                status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, cap, stop_at_cap=False)
+            else:
                 self._kill_new(before)
                 status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, cap, before)
         else:

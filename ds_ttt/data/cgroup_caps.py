@@ -197,9 +197,7 @@ class V1Cgroup(EpisodeCgroup):
         return sorted(seen)
 
     def oom_kills(self) -> int:
-        d = self.dirs["memory"]
-        n = _read_int_field(d / "memory.oom_control", "oom_kill")  # kernels >= 4.13
-        return n
+        return _read_int_field(self.dirs["memory"] / "memory.oom_control", "oom_kill")  # kernels >= 4.13
 
     def cpu_seconds(self) -> float | None:
         d = self.dirs.get("cpuacct")
@@ -256,7 +254,8 @@ class V2Cgroup(EpisodeCgroup):
 
 class SystemdScope(V2Cgroup):
     """A transient systemd scope per sandbox process: systemd makes the cgroup and sets the caps; the
-    scope ends (and, with --collect, is forgotten) when its last process exits."""
+    scope ends (and, with --collect, is forgotten) when its last process exits, so remove() finds its
+    directory gone once it has killed what was left."""
 
     backend = "systemd"
 
@@ -285,9 +284,6 @@ class SystemdScope(V2Cgroup):
             if path:
                 self.path = self.unified / path.lstrip("/")
                 return
-
-    def remove(self) -> None:
-        super().remove()  # the scope's directory goes with its last process; rmdir finds it gone
 
 
 # ---- choosing and making ---------------------------------------------------------------------------

@@ -52,6 +52,14 @@ tmpfs sizes (`max_disk_bytes` for the working directory, `max_scratch_bytes` for
 directory). `isolation="none"` keeps the persistent shell, the output cap, the timeouts and the
 per-process rlimits but not the process limit, and nothing else: commands run as the caller, in a
 host directory BASE/root (/app is BASE/root/app), with the host's files, network and process table.
+
+The whole episode (every process of the sandbox, whatever it forks) is also a cgroup of its own
+(`cgroup_caps.py`: v2, v1 or a systemd scope), made with the sandbox and removed at close: at most
+`max_episode_memory_bytes` of memory (tmpfs files included, no swap beyond it), `max_episode_processes`
+tasks and `max_episode_cpus` cores of CPU time. When the kernel kills a process at the memory cap
+during a command, the command is stopped as at a timeout and the result says so (`memory_limit_hit`).
+Where no cgroup can be made the sandbox refuses; `cgroup_caps="none"` is the explicit opt-out, and
+`self.cgroup_caps` records what was used (both isolations get the cgroup).
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from .cgroup_caps import FIX_HINT, CgroupCaps, CgroupError, EpisodeCgroup, create_episode_cgroup
+from .cgroup_caps import CgroupCaps, CgroupError, EpisodeCgroup, create_episode_cgroup
 
 SANDBOX_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",

@@ -230,9 +230,11 @@ def test_resource_attack_is_capped_for_the_whole_episode(place, attack):
             after = p.observe("echo alive")
     finally:
         p.close()
+    # The watch's walk of /proc is not atomic (a process that ends during it may be counted beside the one
+    # that replaced it), so it is allowed a little over the caps: the attacks take 3x the memory, 1.5x the processes
     assert watch.killed == "", (watch.killed, out[-2000:])
-    assert watch.peak_memory <= memory_cap, (watch.peak_memory >> 20, out[-2000:])
-    assert watch.peak_processes <= processes_cap, (watch.peak_processes, out[-2000:])
+    assert watch.peak_memory <= memory_cap + (16 << 20), (watch.peak_memory >> 20, out[-2000:])
+    assert watch.peak_processes <= processes_cap + 4, (watch.peak_processes, out[-2000:])
     assert after.startswith("alive"), after[-1000:]  # the sandbox still answers (the shell may have been restarted)
     if attack == "memory_many_processes":
         assert "all survived" not in out

@@ -22,7 +22,9 @@ Used by `ds_ttt/data/sandbox.py` (one cgroup per `Sandbox`, made when the sandbo
 
 The cgroupfs ways make the sandbox's first processes (bwrap, or the shell without bwrap) members before
 the sandbox reads its first command; their children inherit the membership, and a process inside
-cannot leave (the cgroup filesystem is not mounted in the sandbox, and uid 1000 could not write it).
+bubblewrap cannot leave (no cgroup filesystem is mounted there, and uid 1000 could not write one).
+Without bubblewrap (isolation="none") commands run as the caller: a root caller's commands could
+move themselves out, as they could do anything else on the host.
 CGROUP_ROOT is where the hierarchies are looked for (tests point it elsewhere).
 """
 

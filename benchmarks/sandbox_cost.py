@@ -1,100 +1,135 @@
-"""Cost of the sandbox before and after issue 22, measured in one run: per command, and for 300 trajectories.
+"""What the episode's cgroup costs the sandbox: per command and per episode start, with and without, in one run.
 
-    nice -n 19 .venv/bin/python benchmarks/sandbox_cost.py [--commands 200] [--trajectories 300] \
+    .venv/bin/python benchmarks/sandbox_cost.py [--commands 400] [--episodes 60] \
         [--out benchmarks/results/sandbox_cost.json] [--force]
 
-"before" is the sandbox of commit 2e37d67 (a fresh `unshare` user/net/mount/PID namespace and a
-Python init per command), loaded from git into a temporary module; "after" is ds_ttt.data.sandbox
-(bubblewrap, one persistent bash per episode). Measured, one process, one worker, alternating:
+Both arms are ds_ttt.data.sandbox.Sandbox with bubblewrap; "caps" has its cgroup (cgroup_caps="required":
+memory, pids and CPU caps, an OOM check around each command), "none" has not (cgroup_caps="none").
+Measured in one process, interleaved so that load drifts hit both arms alike:
 
-  per_command_ms   wall time of `sb.run("true")` in one sandbox (after: inside the persistent shell),
-                   the median and mean of --commands calls after one warm-up;
-  start_ms         after only: a sandbox's first command (bwrap + shell start) plus close;
-  trajectories_s   the generator's --trajectories trajectories (families error_recovery and
-                   explore_edit, half each, seed 0) with `generator.Sandbox` set to each sandbox;
-                   the memory families are left out (being rewritten by another engineer), the
-                   shell_state ones need the persistent shell that "before" lacks;
-  all_families_s   after only: `generate(--trajectories, 0)` with every family.
+  per_command   wall time of `sb.run("true")`, one sandbox of each arm open side by side, the arms
+                alternating (which goes first alternates too), --commands pairs after a warm-up;
+  start         an episode's start and end: Sandbox(...), its first command `true`, close(); --episodes
+                pairs, alternating;
+  cgroup_only   create_episode_cgroup + remove alone (what "start" adds, without the sandbox around it).
 
-It refuses to start while the lead measures (/tmp/ds_ttt_measuring) or when the 1-minute load is
->= 2.5 (unless --force), and records the load at start and end in the results.
+For each: median, mean and p90 per arm, and the paired difference caps - none (median and mean) with a
+95 % bootstrap interval (2000 resamples of the pairs, seed 0). Targets (issue 32): <= 5 ms per command
+and <= 100 ms per episode start. It refuses while the lead measures (/tmp/ds_ttt_measuring) or when the
+1-minute load is >= 2.5 (unless --force, recorded), and records the load at the start and the end.
+Writes the JSON and a Markdown table beside it (same name, .md).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-BEFORE_COMMIT = "2e37d67"
+TARGET_COMMAND_MS = 5.0
+TARGET_START_MS = 100.0
 
 
-def load_before():
-    d = Path(tempfile.mkdtemp(prefix="ds_ttt_old_sandbox_"))
-    for name in ("sandbox.py", "sandbox_init.py"):
-        text = subprocess.run(["git", "show", f"{BEFORE_COMMIT}:ds_ttt/data/{name}"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout
-        (d / name).write_text(text)
-    spec = importlib.util.spec_from_file_location("before_sandbox", d / "sandbox.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["before_sandbox"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def summary(times_ms: list[float]) -> dict:
+    s = sorted(times_ms)
+    return {"median_ms": round(statistics.median(s), 3), "mean_ms": round(statistics.fmean(s), 3),
+            "p90_ms": round(s[int(0.9 * len(s))], 3), "n": len(s)}
 
 
-def per_command(sandbox_cls, n: int) -> dict:
-    with sandbox_cls(timeout=10.0) as sb:
-        assert sb.run("true").exit_code == 0  # warm-up (the "after" sandbox starts here)
-        times = []
-        for _ in range(n):
+def paired_difference(caps: list[float], none: list[float], resamples: int = 2000) -> dict:
+    """caps - none per pair: median and mean, each with a 95 % bootstrap interval over the pairs."""
+    diffs = [a - b for a, b in zip(caps, none)]
+    rng = random.Random(0)
+    medians, means = [], []
+    for _ in range(resamples):
+        sample = [diffs[rng.randrange(len(diffs))] for _ in diffs]
+        medians.append(statistics.median(sample))
+        means.append(statistics.fmean(sample))
+    medians.sort()
+    means.sort()
+    lo, hi = int(0.025 * resamples), int(0.975 * resamples) - 1
+    return {"median_ms": round(statistics.median(diffs), 3), "median_ci95_ms": [round(medians[lo], 3), round(medians[hi], 3)],
+            "mean_ms": round(statistics.fmean(diffs), 3), "mean_ci95_ms": [round(means[lo], 3), round(means[hi], 3)]}
+
+
+def per_command(Sandbox, n: int) -> dict:
+    times = {"caps": [], "none": []}
+    with Sandbox(timeout=10.0, cgroup_caps="required") as caps, Sandbox(timeout=10.0, cgroup_caps="none") as none:
+        arms = {"caps": caps, "none": none}
+        for sb in arms.values():
+            for _ in range(20):  # warm-up: the sandbox starts at its first command
+                assert sb.run("true").exit_code == 0
+        for i in range(n):
+            for arm in (("caps", "none") if i % 2 == 0 else ("none", "caps")):
+                t0 = time.perf_counter()
+                res = arms[arm].run("true")
+                times[arm].append((time.perf_counter() - t0) * 1e3)
+                assert res.exit_code == 0, res
+        assert caps.cgroup_caps != "none" and none.cgroup_caps == "none"
+    return {"caps": summary(times["caps"]), "none": summary(times["none"]),
+            "caps_minus_none": paired_difference(times["caps"], times["none"])}
+
+
+def start(Sandbox, n: int) -> dict:
+    times = {"caps": [], "none": []}
+    for i in range(n):
+        for arm in (("caps", "none") if i % 2 == 0 else ("none", "caps")):
             t0 = time.perf_counter()
-            res = sb.run("true")
-            times.append((time.perf_counter() - t0) * 1e3)
-            assert res.exit_code == 0, res
-    return {"median_ms": round(statistics.median(times), 2), "mean_ms": round(statistics.fmean(times), 2),
-            "p90_ms": round(sorted(times)[int(0.9 * len(times))], 2), "n": n}
+            with Sandbox(timeout=10.0, cgroup_caps="required" if arm == "caps" else "none") as sb:
+                assert sb.run("true").exit_code == 0
+            times[arm].append((time.perf_counter() - t0) * 1e3)
+    return {"caps": summary(times["caps"]), "none": summary(times["none"]),
+            "caps_minus_none": paired_difference(times["caps"], times["none"])}
 
 
-def start_cost(sandbox_cls, n: int) -> dict:
+def cgroup_only(n: int) -> dict:
+    from ds_ttt.data.cgroup_caps import CgroupCaps, create_episode_cgroup
+
     times = []
-    for _ in range(n):
+    for i in range(n):
         t0 = time.perf_counter()
-        with sandbox_cls(timeout=10.0) as sb:
-            sb.run("true")
+        group = create_episode_cgroup(f"ds_ttt_bench_{os.getpid()}_{i}", CgroupCaps(memory_bytes=4 << 30, processes=272, cpus=1.0))
+        group.remove()
         times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": round(statistics.median(times), 2), "n": n}
+    return {"backend": group.backend, **summary(times)}
 
 
-def trajectories(module, num: int) -> dict:
-    from ds_ttt.data import generator
+def markdown(res: dict) -> str:
+    pc, st = res["per_command"], res["start"]
 
-    saved = generator.Sandbox, generator.format_observation
-    generator.Sandbox, generator.format_observation = module.Sandbox, module.format_observation
-    try:
-        t0 = time.perf_counter()
-        out = (generator.generate(num // 2, 0, workers=1, family="error_recovery")
-               + generator.generate(num - num // 2, 0, workers=1, family="explore_edit"))
-        took = time.perf_counter() - t0
-    finally:
-        generator.Sandbox, generator.format_observation = saved
-    rounds = sum(t["meta"]["num_rounds"] for t in out)
-    return {"seconds": round(took, 2), "trajectories": len(out), "rounds": rounds,
-            "isolation": sorted({t["meta"]["isolation"] for t in out})}
+    def row(name, part, target):
+        d = part["caps_minus_none"]
+        return (f"| {name} | {part['none']['median_ms']:.3f} | {part['caps']['median_ms']:.3f} | "
+                f"{d['median_ms']:+.3f} [{d['median_ci95_ms'][0]:+.3f}, {d['median_ci95_ms'][1]:+.3f}] | "
+                f"{d['mean_ms']:+.3f} [{d['mean_ci95_ms'][0]:+.3f}, {d['mean_ci95_ms'][1]:+.3f}] | <= {target:g} ms |")
+
+    return "\n".join([
+        "# What the episode's cgroup costs the sandbox", "",
+        f"`benchmarks/sandbox_cost.py` at {res['commit']}, {res['cpus']} CPUs, cgroup backend `{res['backend']}`; "
+        f"load {res['load_start'][0]:.2f} at the start and {res['load_end'][0]:.2f} at the end (1-minute averages)"
+        + (" (run with --force)" if res["forced"] else "") + ".", "",
+        "Milliseconds; medians per arm; the difference caps - none per interleaved pair, with its 95 % bootstrap interval.", "",
+        "| | no cgroup | cgroup | difference, median [95 % CI] | difference, mean [95 % CI] | target |",
+        "| --- | --- | --- | --- | --- | --- |",
+        row(f"one command (`true`), {pc['caps']['n']} pairs", pc, TARGET_COMMAND_MS),
+        row(f"episode start (make, first command, close), {st['caps']['n']} pairs", st, TARGET_START_MS),
+        "",
+        f"Making and removing the cgroup alone: median {res['cgroup_only']['median_ms']:.2f} ms "
+        f"(p90 {res['cgroup_only']['p90_ms']:.2f}, {res['cgroup_only']['n']} times).", ""])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--commands", type=int, default=200)
-    ap.add_argument("--trajectories", type=int, default=300)
+    ap.add_argument("--commands", type=int, default=400)
+    ap.add_argument("--episodes", type=int, default=60)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "sandbox_cost.json"))
     ap.add_argument("--force", action="store_true", help="run even under load (recorded)")
     args = ap.parse_args(argv)
@@ -105,30 +140,25 @@ def main(argv=None) -> int:
     if load_start[0] >= 2.5 and not args.force:
         print(f"1-minute load {load_start[0]:.2f} >= 2.5: not starting (retry later, or --force)", file=sys.stderr)
         return 3
-    from ds_ttt.data import sandbox as after
+    from ds_ttt.data.sandbox import Sandbox
 
-    before = load_before()
     t0 = time.time()
-    res = {"before_commit": BEFORE_COMMIT, "after_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                                                          capture_output=True, text=True).stdout.strip(),
-           "cpus": os.cpu_count(), "load_start": [round(x, 2) for x in load_start]}
-    res["per_command"] = {"before": per_command(before.Sandbox, args.commands), "after": per_command(after.Sandbox, args.commands)}
-    res["start"] = {"after": start_cost(after.Sandbox, 20)}
-    res["trajectories"] = {"before": trajectories(before, args.trajectories),
-                           "after": trajectories(after, args.trajectories)}
-    from ds_ttt.data.generator import generate
-
-    t1 = time.perf_counter()
-    try:
-        n = len(generate(args.trajectories, 0, workers=1))
-        res["all_families_after"] = {"seconds": round(time.perf_counter() - t1, 2), "trajectories": n}
-    except Exception as e:  # noqa: BLE001 - recorded, not hidden: the memory families may be mid-rewrite
-        res["all_families_after"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    res = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                    text=True).stdout.strip(),
+           "cpus": os.cpu_count(), "forced": args.force, "load_start": [round(x, 2) for x in load_start]}
+    res["per_command"] = per_command(Sandbox, args.commands)
+    res["start"] = start(Sandbox, args.episodes)
+    res["cgroup_only"] = cgroup_only(50)
+    res["backend"] = res["cgroup_only"]["backend"]
     res["load_end"] = [round(x, 2) for x in os.getloadavg()]
     res["wall_s"] = round(time.time() - t0, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps(res, indent=1))
+    res["targets_met"] = (res["per_command"]["caps_minus_none"]["median_ci95_ms"][1] <= TARGET_COMMAND_MS
+                          and res["start"]["caps_minus_none"]["median_ci95_ms"][1] <= TARGET_START_MS)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(res))
+    print(markdown(res))
     return 0
 
 

@@ -9,6 +9,7 @@
   capacity.py    valid-prefix capacity rule;  manifest.py: prepare / load_manifest;  hub.py: pinned download
   sandbox.py, families.py, generator.py   the real-shell trajectory generator (+ generate_memory_world);
                  sandbox_init.py is the first process inside a sandbox (run as a script, not imported)
+  cgroup_caps.py each sandbox's cgroup: the whole episode's memory, processes and CPU capped (v2, v1, systemd)
   cli.py         the data_prep/ command lines (generate, prepare, build_tokenizer)
 
 Nothing is imported here so that `import ds_ttt.data.render` stays cheap and side-effect free.

@@ -1,6 +1,6 @@
 """The command lines of `data_prep/`: each script there is `sys.exit(<name>_main(description=__doc__))`.
 
-    python data_prep/generate.py --out DIR --num N --seed S [--workers W] [--family F] [--no-isolation]
+    python data_prep/generate.py --out DIR --num N --seed S [--workers W] [--family F] [--no-isolation] [--no-cgroup-caps]
     python data_prep/prepare.py --inputs PATHS... --out DIR [...]
     python data_prep/build_tokenizer.py --out DIR [--model LOCAL_QWEN3_DIR]
 
@@ -40,15 +40,23 @@ def generate_main(argv: list[str] | None = None, *, description: str | None = No
     ap.add_argument("--no-isolation", action="store_true",
                     help="run the commands without the sandbox's namespaces (no network, write and process isolation) "
                          "where they are unavailable; each trajectory records meta.isolation")
+    ap.add_argument("--no-cgroup-caps", action="store_true",
+                    help="run each episode without a cgroup capping its total memory, processes and CPU, where none can "
+                         "be made (an unprivileged user without cgroup delegation); each trajectory records meta.cgroup_caps")
     args = ap.parse_args(argv)
 
     isolation = "none" if args.no_isolation else "required"
+    cgroup_caps = "none" if args.no_cgroup_caps else "required"
+    if args.no_cgroup_caps:
+        print("warning: --no-cgroup-caps: an episode's commands can use all of this machine's memory, processes and CPU",
+              file=sys.stderr)
     if args.no_isolation:
         print("warning: --no-isolation: commands run with this machine's network, write access and process table",
               file=sys.stderr)
     t0 = time.time()
     try:
-        trajs = generate(args.num, args.seed, workers=args.workers, progress=True, family=args.family, isolation=isolation)
+        trajs = generate(args.num, args.seed, workers=args.workers, progress=True, family=args.family, isolation=isolation,
+                         cgroup_caps=cgroup_caps)
     except SandboxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -74,8 +82,10 @@ def generate_main(argv: list[str] | None = None, *, description: str | None = No
         rows.append([fam, n, s["failed"], f"{s['rounds'] / n:.1f}", f"{s['tokens'] / n:.0f}", s["max_tokens"], s["action"], s["observation"]])
     print(format_table(rows, ["family", "trajectories", "failed", "rounds/traj", "tokens/traj", "max tokens", "action tok", "observation tok"]))
     used = sorted({t["meta"]["isolation"] for t in trajs})
+    caps = sorted({t["meta"]["cgroup_caps"] for t in trajs})
     print(f"generated {len(trajs)} trajectories in {gen_s:.1f}s ({len(trajs) / max(gen_s, 1e-9):.0f}/s), sandbox isolation "
-          f"{'/'.join(used) or isolation}; wrote {paths['jsonl']} and {paths['atif']}/")
+          f"{'/'.join(used) or isolation}, cgroup caps {'/'.join(caps) or cgroup_caps}; wrote {paths['jsonl']} and "
+          f"{paths['atif']}/")
     return 0
 
 

@@ -8,7 +8,10 @@ Every observation is the real output of the command in real bash inside the epis
 process/memory/file/output limits, and one persistent shell per episode, so a `cd`, an `export` or a
 background job carries over to the next command; without bwrap the generator refuses unless called
 with isolation="none", which `data_prep/generate.py --no-isolation` passes). `meta.isolation` records
-which was used ("bwrap" or "none"). Each
+which was used ("bwrap" or "none"). Each episode also runs in a cgroup of its own capping its memory,
+processes and CPU; where none can be made it refuses unless called with cgroup_caps="none"
+(`--no-cgroup-caps`), and `meta.cgroup_caps` records what was used ("cgroup-v1", "cgroup-v2",
+"systemd" or "none"). Each
 trajectory: system prompt + the `bash` tool schema, the task, then assistant turns with short reasoning
 and one Qwen3 tool call `{"name": "bash", "arguments": {"command": ...}}`, the tool results, and a final
 assistant answer. Per-trajectory RNG = Random(f"{seed}:{index}") so any trajectory can be regenerated
@@ -23,7 +26,7 @@ import random
 from pathlib import Path
 
 from .families import FAMILIES, memory_world
-from .sandbox import Sandbox, format_observation, resolve_isolation
+from .sandbox import Sandbox, format_observation, resolve_cgroup_caps, resolve_isolation
 
 SYSTEM_PROMPT = (
     "You are a careful terminal agent in a Linux sandbox. Use the bash tool to run one command at a time, "
@@ -98,21 +101,23 @@ class Episode:
 
 
 def generate_one(seed: int, index: int, family: str | None = None, keep_dir: str | None = None,
-                 isolation: str = "required") -> dict:
+                 isolation: str = "required", cgroup_caps: str = "required") -> dict:
     rng = random.Random(f"{seed}:{index}")
     family = family or FAMILY_NAMES[rng.randrange(len(FAMILY_NAMES))]
     policy = rng.choice(FAMILIES[family])
     return _run_episode(f"gen-{seed}-{index:05d}", family, policy.__name__, lambda ep: policy(ep, rng), seed, keep_dir,
-                        isolation)
+                        isolation, cgroup_caps)
 
 
-def _run_episode(traj_id: str, family: str, variant: str, play, seed: int, keep_dir: str | None, isolation: str) -> dict:
+def _run_episode(traj_id: str, family: str, variant: str, play, seed: int, keep_dir: str | None, isolation: str,
+                 cgroup_caps: str = "required") -> dict:
     """Play one scripted episode in a throwaway sandbox and return its canonical trajectory."""
-    with Sandbox(parent=keep_dir, keep=keep_dir is not None, isolation=isolation) as sb:
+    with Sandbox(parent=keep_dir, keep=keep_dir is not None, isolation=isolation, cgroup_caps=cgroup_caps) as sb:
         ep = Episode(sb, traj_id, family, variant)
         play(ep)
         traj = ep.trajectory()
         traj["meta"]["isolation"] = sb.isolation
+        traj["meta"]["cgroup_caps"] = sb.cgroup_caps
         if keep_dir is not None:
             traj["meta"]["sandbox"] = str(sb.root)
     traj["meta"]["seed"] = seed
@@ -121,7 +126,7 @@ def _run_episode(traj_id: str, family: str, variant: str, play, seed: int, keep_
 
 
 def generate_memory_world(seed: int, num_distractors: int | None = None, keep_dir: str | None = None,
-                          isolation: str = "required", pool: str = "heldout") -> dict:
+                          isolation: str = "required", pool: str = "heldout", cgroup_caps: str = "required") -> dict:
     """A fresh memory world (families.memory_world) from the held-out pool unless `pool="train"`:
     keys written by real commands, read back in later rounds.
 
@@ -132,7 +137,7 @@ def generate_memory_world(seed: int, num_distractors: int | None = None, keep_di
     rng = random.Random(f"memory-world:{seed}")
     return _run_episode(f"memworld-{seed}", "memory", "memory_world",
                         lambda ep: memory_world(ep, rng, num_distractors=num_distractors, pool=pool), seed, keep_dir,
-                        isolation)
+                        isolation, cgroup_caps)
 
 
 def _work(args):
@@ -140,10 +145,11 @@ def _work(args):
 
 
 def generate(num: int, seed: int, workers: int | None = None, progress: bool = False, family: str | None = None,
-             isolation: str = "required") -> list[dict]:
+             isolation: str = "required", cgroup_caps: str = "required") -> list[dict]:
     """`num` trajectories for `seed` (identical for any number of workers)."""
     resolve_isolation(isolation)  # refuse before starting any worker
-    jobs = [(seed, i, family, None, isolation) for i in range(num)]
+    resolve_cgroup_caps(cgroup_caps)
+    jobs = [(seed, i, family, None, isolation, cgroup_caps) for i in range(num)]
     workers = workers if workers is not None else min(mp.cpu_count(), 8)
     bar = None
     if progress:

@@ -52,6 +52,14 @@ tmpfs sizes (`max_disk_bytes` for the working directory, `max_scratch_bytes` for
 directory). `isolation="none"` keeps the persistent shell, the output cap, the timeouts and the
 per-process rlimits but not the process limit, and nothing else: commands run as the caller, in a
 host directory BASE/root (/app is BASE/root/app), with the host's files, network and process table.
+
+The whole episode (every process of the sandbox, whatever it forks) is also a cgroup of its own
+(`cgroup_caps.py`: v2, v1 or a systemd scope), made with the sandbox and removed at close: at most
+`max_episode_memory_bytes` of memory (tmpfs files included, no swap beyond it), `max_episode_processes`
+tasks and `max_episode_cpus` cores of CPU time. When the kernel kills a process at the memory cap
+during a command, the command is stopped as at a timeout and the result says so (`memory_limit_hit`).
+Where no cgroup can be made the sandbox refuses; `cgroup_caps="none"` is the explicit opt-out, and
+`self.cgroup_caps` records what was used (both isolations get the cgroup).
 """
 
 from __future__ import annotations
@@ -74,6 +82,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from .cgroup_caps import CgroupCaps, CgroupError, EpisodeCgroup, create_episode_cgroup
+
 SANDBOX_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LC_ALL": "C",
@@ -83,6 +93,7 @@ SANDBOX_ENV = {
     "SHELL": "/bin/bash",
 }
 ISOLATION_CHOICES = ("required", "none")
+CGROUP_CAPS_CHOICES = ("required", "none")  # "none": no per-episode cgroup (--no-cgroup-caps), recorded
 INSTALL_HINT = "apt-get install bubblewrap (setup.sh does this)"
 WORKDIR = "/app"
 SANDBOX_UID = 1000  # the uid inside; it has no capabilities
@@ -98,6 +109,12 @@ MAX_CPU_SECONDS = 600  # RLIMIT_CPU per process
 MAX_DISK_BYTES = 1 << 30  # the working directory's tmpfs
 MAX_SCRATCH_BYTES = 256 << 20  # each other writable tmpfs (/tmp, /var/tmp, HOME, dirs)
 SYSTEM_TMPFS_BYTES = 64 << 20  # /dev/shm and /run
+# The episode's cgroup (ds_ttt/data/cgroup_caps.py), sized for a 2-core 24 GiB machine running a few at once
+EPISODE_MEMORY_BYTES = 4 << 30  # RAM of the whole tree, tmpfs files included; no swap beyond it
+EPISODE_PROCESSES = MAX_PROCESSES + 16  # pids.max: RLIMIT_NPROC stops a bomb first; this also holds without it
+EPISODE_CPUS = 1.0  # CPU time per wall second, all its processes together: one of the two cores
+MEMORY_HEADROOM_BYTES = 64 << 20  # the memory cap must exceed the full tmpfs mounts by this (a shell must still run)
+OOM_POLL_SEC = 0.05  # while a command runs, how often the host looks for an OOM kill in the cgroup
 MAX_TRANSFER_BYTES = 1 << 30  # read() / get_tree()
 SYSTEM_DIRS = ("usr", "etc")  # bound read-only
 SYSTEM_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")  # merged-/usr links, or read-only binds
@@ -147,6 +164,9 @@ class CommandResult:
     stderr: str = ""  # only for run_fresh (Harbor's exec); run() merges stderr into output
     raw: bytes = b""  # the output's bytes (for binary transfers)
     process_limit_hit: bool = False  # the command left the sandbox at its process limit: its processes were killed
+    memory_limit_hit: bool = False  # the kernel killed a process at the episode's memory cap during the command: all of its processes were killed
+    memory_limit_earlier: bool = False  # ... since the previous command (a background job was killed there)
+    memory_limit_bytes: int = 0  # the episode's memory cap (for the note), 0 without a cgroup
 
 
 def bwrap_path() -> str | None:
@@ -213,6 +233,31 @@ def resolve_isolation(isolation: str) -> str:
     if problem is not None:
         raise SandboxError(_refuse_text(problem))
     return "bwrap"
+
+
+def cgroup_refusal(problem: str) -> str:
+    return f"the sandbox cannot cap the episode's memory, processes and CPU here: {problem}"
+
+
+@functools.lru_cache(maxsize=1)
+def cgroup_problem() -> str | None:
+    """None when a per-episode cgroup can be made here, else why not and the fix (probed once per process)."""
+    try:
+        group = create_episode_cgroup(f"ds_ttt_probe_{os.getpid()}_{time.monotonic_ns()}",
+                                      CgroupCaps(memory_bytes=64 << 20, processes=16, cpus=1.0))
+        group.remove()
+    except CgroupError as e:
+        return str(e)
+    return None
+
+
+def resolve_cgroup_caps(cgroup_caps: str) -> None:
+    """Refuse (SandboxError: why and the fix, --no-cgroup-caps among them) before any sandbox is made when
+    "required" caps cannot be had here; ValueError on a bad choice."""
+    if cgroup_caps not in CGROUP_CAPS_CHOICES:
+        raise ValueError(f"cgroup_caps={cgroup_caps!r}: choose one of {CGROUP_CAPS_CHOICES}")
+    if cgroup_caps == "required" and (problem := cgroup_problem()) is not None:
+        raise SandboxError(cgroup_refusal(problem))
 
 
 def remove_tree(path: Path) -> None:
@@ -282,7 +327,12 @@ class Sandbox:
 
     isolation: "required" (default) refuses with `SandboxError` when bwrap does not work here; "none"
     runs the same shell without it. `self.isolation` is what is used ("bwrap" or "none"): record it.
-    A context manager: `close()` kills every process of the sandbox and removes BASE unless `keep`.
+    cgroup_caps: "required" (default) puts the whole episode in a cgroup of its own (memory with no swap
+    beyond it, processes, CPU: `max_episode_*`) and refuses with `SandboxError` where none can be made;
+    "none" runs without. `self.cgroup_caps` is what is used ("cgroup-v2", "cgroup-v1", "systemd" or
+    "none"): record it too.
+    A context manager: `close()` kills every process of the sandbox, removes its cgroup, and removes
+    BASE unless `keep`.
     """
 
     def __init__(self, parent: str | None = None, keep: bool = False, timeout: float = 5.0, *,
@@ -291,9 +341,13 @@ class Sandbox:
                  max_output_bytes: int = MAX_OUTPUT_BYTES, max_processes: int = MAX_PROCESSES,
                  max_memory_bytes: int = MAX_MEMORY_BYTES, max_file_bytes: int = MAX_FILE_BYTES,
                  max_cpu_seconds: int = MAX_CPU_SECONDS, max_disk_bytes: int = MAX_DISK_BYTES,
-                 max_scratch_bytes: int = MAX_SCRATCH_BYTES, _probe: bool = False):
+                 max_scratch_bytes: int = MAX_SCRATCH_BYTES, cgroup_caps: str = "required",
+                 max_episode_memory_bytes: int = EPISODE_MEMORY_BYTES, max_episode_processes: int = EPISODE_PROCESSES,
+                 max_episode_cpus: float = EPISODE_CPUS, _probe: bool = False):
         if max_output_bytes < 1:
             raise ValueError(f"max_output_bytes must be >= 1, got {max_output_bytes}")
+        if cgroup_caps not in CGROUP_CAPS_CHOICES:
+            raise ValueError(f"cgroup_caps={cgroup_caps!r}: choose one of {CGROUP_CAPS_CHOICES}")
         for path in (workdir, home or "/", *dirs):
             if not PurePosixPath(path).is_absolute() or ".." in PurePosixPath(path).parts:
                 raise ValueError(f"sandbox paths must be absolute, without '..': got {path!r}")
@@ -314,6 +368,10 @@ class Sandbox:
         for d in (self.home, "/tmp", "/var/tmp", *dirs):
             if not any(d == m or d.startswith(m.rstrip("/") + "/") for m in self.mounts):
                 self.mounts[d] = max_scratch_bytes
+        self.caps = CgroupCaps(memory_bytes=max_episode_memory_bytes, processes=max_episode_processes,
+                               cpus=max_episode_cpus)
+        self._cgroup: EpisodeCgroup | None = None
+        self.cgroup_caps = "none"  # what is used: "cgroup-v2", "cgroup-v1", "systemd" or "none"
         self.fs_root = self.base / "root"  # "none": the live `/`; "bwrap": where keep=True exports the mounts
         self.root = self._host(workdir)  # the working directory on the host (live for "none", kept copy for "bwrap")
         if self.isolation == "none":
@@ -336,6 +394,36 @@ class Sandbox:
         self._supervisor = self._driver = None  # (host pid, start time)
         self._pending_note = (False, False)  # (shell restarted, files lost) to report with the next result
         self.num_restarts = 0
+        self._oom_seen = 0  # the cgroup's OOM-kill count when the last result was made
+        if cgroup_caps == "required" and not _probe:
+            self._make_cgroup()
+
+    def _make_cgroup(self) -> None:
+        """The episode's cgroup (caps in `self.caps`), made now so that a machine without cgroups refuses
+        before the first command. Files in the tmpfs mounts are memory charged to it, so the memory cap
+        must hold them all with room to spare: otherwise a full disk would leave no memory for a shell."""
+        tmpfs = sum(self.mounts.values()) + 2 * SYSTEM_TMPFS_BYTES
+        try:
+            self.caps.validate()
+            if self.caps.memory_bytes < tmpfs + MEMORY_HEADROOM_BYTES:
+                raise ValueError(
+                    f"max_episode_memory_bytes={self.caps.memory_bytes} ({self.caps.memory_bytes >> 20} MiB) cannot hold the "
+                    f"sandbox's tmpfs mounts ({tmpfs >> 20} MiB: max_disk_bytes, max_scratch_bytes for each of "
+                    f"{len(self.mounts) - 1} more, 2 x {SYSTEM_TMPFS_BYTES >> 20} MiB for /dev/shm and /run) plus "
+                    f"{MEMORY_HEADROOM_BYTES >> 20} MiB; files there are memory charged to the episode. Raise it to at "
+                    f"least {tmpfs + MEMORY_HEADROOM_BYTES} or lower max_disk_bytes / max_scratch_bytes")
+            self._cgroup = create_episode_cgroup(f"{self.base.name}_{os.getpid()}", self.caps)
+        except CgroupError as e:
+            remove_tree(self.base)
+            raise SandboxError(cgroup_refusal(str(e))) from e
+        except ValueError:
+            remove_tree(self.base)
+            raise
+        self.cgroup_caps = self._cgroup.backend
+        self._oom_seen = self._cgroup.oom_kills()
+
+    def _oom_kills(self) -> int:
+        return self._cgroup.oom_kills() if self._cgroup is not None else 0
 
     def _inside_xfer(self) -> str:
         return "/run/ds_ttt" if self.isolation == "bwrap" else str(self.base / "xfer")
@@ -381,6 +469,8 @@ class Sandbox:
         # the status and stderr pipes reach the supervisor as fds >= 10; it moves them to 3 and 4
         st_child, err_child = fcntl.fcntl(st_w, fcntl.F_DUPFD_CLOEXEC, 10), fcntl.fcntl(err_w, fcntl.F_DUPFD_CLOEXEC, 10)
         argv = self._argv(st_child, err_child)
+        if self._cgroup is not None:
+            argv = self._cgroup.wrap(argv)  # systemd: the process starts inside a new scope
         user = {} if self._as_uid is None else {"user": self._as_uid, "group": self._as_uid, "extra_groups": []}
         try:
             self._proc = subprocess.Popen(argv, stdin=req_r, stdout=out_w, stderr=out_w, env=self.env,
@@ -402,6 +492,14 @@ class Sandbox:
             self._stop()
             raise SandboxError(f"the sandbox did not start: {bytes(out).decode(errors='replace').strip()[:2000]}")
         kids = _tree(self._proc.pid)
+        if self._cgroup is not None:
+            # Every process of the sandbox so far (bwrap, its PID 1, the shell) joins the episode's cgroup
+            # now: none has read a command yet, and whatever they start later is born inside it.
+            try:
+                self._cgroup.adopt([self._proc.pid] + [pid for pid, _start in kids])
+            except OSError as e:
+                self._stop()
+                raise SandboxError(cgroup_refusal(f"moving the sandbox into its cgroup failed: {e}")) from e
         self._supervisor = (self._proc.pid, _start_time(self._proc.pid)) if self.isolation == "none" else kids[0]
         if self._num_seeded:
             self._seed.close()
@@ -423,7 +521,10 @@ class Sandbox:
         """Kill every process of the sandbox (for bwrap: its PID namespace ends with its PID 1)."""
         if self._proc is None:
             return
-        _kill(_tree(self._proc.pid))  # the sandbox's processes first, so bwrap reaps its PID 1 and exits
+        procs = _tree(self._proc.pid)
+        if self.isolation == "none":  # the supervisor is the process itself: killed first, it starts no new shell
+            procs.insert(0, (self._proc.pid, 0))
+        _kill(procs)  # the sandbox's processes first, so bwrap reaps its PID 1 and exits
         try:
             self._proc.wait(timeout=KILL_GRACE_SEC)
         except subprocess.TimeoutExpired:
@@ -441,9 +542,14 @@ class Sandbox:
             if self.keep and self.isolation == "bwrap" and self._proc is not None and self._proc.poll() is None:
                 self._export()
         finally:
-            self._stop()
-            if not self.keep:
-                remove_tree(self.base)
+            try:
+                self._stop()
+                if self._cgroup is not None:  # also kills what left the process tree (setsid + reparenting)
+                    group, self._cgroup = self._cgroup, None
+                    group.remove()
+            finally:
+                if not self.keep:
+                    remove_tree(self.base)
 
     def _export(self) -> None:
         """keep=True: copy the writable mounts out to BASE/root (tar inside, a safe extract here)."""
@@ -575,16 +681,19 @@ class Sandbox:
             self._drain(self._err, bytearray(), 1 << 30)
             self._reap_notices(bytearray(), bytearray())
         before = set(_tree(self._proc.pid))
+        oom_before = self._oom_kills()  # above _oom_seen: a background job was killed at the memory cap meanwhile
         request = f"{kind}\0{payload}\0".encode()
         while request:  # the shell reads as we write; a long command needs more than one pipe buffer
             select.select([], [self._requests], [])
             request = request[os.write(self._requests, request):]
         deadline = time.monotonic() + timeout
         timed_out = truncated = False
-        status = self._collect(deadline, out, err, cap)
-        if status is None:
-            timed_out = len(out) + len(err) <= cap
-            truncated = not timed_out
+        status = self._collect(deadline, out, err, cap, oom_from=oom_before if self._cgroup is not None else None)
+        memory_hit = status == ("oom", 0)  # the kernel killed a process at the memory cap: stop the command
+        if status is None or memory_hit:
+            status = None
+            timed_out = not memory_hit and len(out) + len(err) <= cap
+            truncated = not memory_hit and not timed_out
             self._drain(self._out, out, cap)
             self._drain(self._err, err, cap)
             marks = (len(out), len(err))  # what the command printed before it was stopped is its output
@@ -593,8 +702,20 @@ class Sandbox:
                     os.kill(self._driver[0], signal.SIGUSR1)  # first, so the shell abandons the command line
                 except ProcessLookupError:
                     pass
-            self._kill_new(before)
-            status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, cap, before)
+            if memory_hit:
+                # The OOM killer may have taken the shell itself (a command substitution holds its output in
+                # the shell). The supervisor would then start a new shell, which the kill rounds must not
+                # take for one of the command's processes: it is stopped (SIGSTOP reaches a PID 1 from the
+                # host) until they are done, then reports the old shell's exit, if it ended, and starts one.
+                _kill([self._supervisor], signal.SIGSTOP)
+                try:
+                    self._kill_new(before)
+                finally:
+                    _kill([self._supervisor], signal.SIGCONT)
+                status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, cap, stop_at_cap=False)
+            else:
+                self._kill_new(before)
+                status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, cap, before)
         else:
             marks = None
         restarted, lost = self._pending_note
@@ -619,6 +740,14 @@ class Sandbox:
                 lost = self.isolation == "bwrap"
         if marks is not None and not restarted and self._proc is not None:
             self._reap_notices(out, err)  # the jobs killed at the stop (cut below with the rest after it)
+        oom_after = self._oom_kills()
+        memory_hit = memory_hit or oom_after > oom_before  # also: one of its processes died at the cap as it ended
+        if memory_hit and (marks is None or restarted) and self._proc is not None:
+            self._kill_new(before)  # what the command left (its shell may have been the one killed)
+            if not restarted:
+                time.sleep(0.05)
+                self._reap_notices(out, err)
+        memory_earlier, self._oom_seen = oom_before > self._oom_seen, oom_after
         at_limit = False
         if self._proc is not None and self.isolation == "bwrap" and (
                 self._at_process_limit() or (time.sleep(LIMIT_RECHECK_SEC) is None and self._at_process_limit())):
@@ -632,12 +761,13 @@ class Sandbox:
         if marks is not None:  # drop what came after the stop (bash's "Killed" notes, the trap's leftovers)
             del out[marks[0]:], err[marks[1]:]
         truncated = truncated or len(out) + len(err) > cap
-        code = 124 if timed_out else (status[1] if status is not None else 137)
+        code = 124 if timed_out else 137 if memory_hit and marks is not None else (status[1] if status is not None else 137)
         raw = bytes(out[:cap])
         return CommandResult(command, raw.decode("utf-8", "replace"), code, timed_out=timed_out,
                              output_truncated=truncated, output_bytes=len(out), shell_restarted=restarted,
                              files_lost=lost, stderr=bytes(err[:cap]).decode("utf-8", "replace"), raw=raw,
-                             process_limit_hit=at_limit)
+                             process_limit_hit=at_limit, memory_limit_hit=memory_hit, memory_limit_earlier=memory_earlier,
+                             memory_limit_bytes=self.caps.memory_bytes if self._cgroup is not None else 0)
 
     def _reap_notices(self, out: bytearray, err: bytearray) -> None:
         """Have the shell take note of the jobs the host just killed, so its "Killed" notices are not
@@ -660,20 +790,28 @@ class Sandbox:
 
     def _collect(self, deadline: float, out: bytearray, err: bytearray, cap: int,
                  before: set | None = None, stop_at_cap: bool = True,
-                 reaped: bool = False) -> tuple[str, int] | None:
+                 reaped: bool = False, oom_from: int | None = None) -> tuple[str, int] | None:
         """Read output until the shell reports ("status"|"exit", code), or with `reaped` also ("reaped", 0)
         (else that answer is skipped); None at the deadline or past the cap (with `before` given, keep
-        killing what the command started while waiting)."""
+        killing what the command started while waiting); with `oom_from`, ("oom", 0) as soon as the
+        cgroup's OOM-kill count is above it (looked at every OOM_POLL_SEC)."""
         fds = [self._out, self._err, self._status]
         stop_at_cap = stop_at_cap and before is None
+        wake = 0.05 if before is not None else (OOM_POLL_SEC if oom_from is not None else None)
+        next_oom_check = time.monotonic() + OOM_POLL_SEC
         while True:
             st = self._pop_status(reaped=reaped)
             if st is not None:
                 return st
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0 or (stop_at_cap and len(out) + len(err) > cap):
                 return None
-            for fd in select.select(fds, [], [], min(left, 0.05 if before is not None else left))[0]:
+            if oom_from is not None and now >= next_oom_check:
+                next_oom_check = now + OOM_POLL_SEC
+                if self._cgroup.oom_kills() > oom_from:
+                    return ("oom", 0)
+            for fd in select.select(fds, [], [], left if wake is None else min(left, wake))[0]:
                 if fd != self._status:  # a status line is taken at the top of the loop
                     self._drain(fd, out if fd == self._out else err, cap)
             if before is not None:
@@ -801,6 +939,11 @@ def format_observation(result: CommandResult, max_chars: int = 2000) -> str:
         notes.append(f"[exit code: {result.exit_code}]")
     if result.process_limit_hit:
         notes.append("[the sandbox was at its process limit: every process this command started was killed]")
+    if result.memory_limit_earlier:
+        notes.append(f"[a background process was killed: the sandbox reached its memory limit of "
+                     f"{result.memory_limit_bytes >> 20} MiB after the previous command]")
+    if result.memory_limit_hit:
+        notes.append(f"[command killed: the sandbox reached its memory limit of {result.memory_limit_bytes >> 20} MiB]")
     if result.files_lost:
         notes.append("[the sandbox was restarted: its files are lost; the working directory, variables and "
                      "background jobs are reset]")

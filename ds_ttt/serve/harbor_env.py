@@ -1,14 +1,18 @@
 """A Harbor environment on the project's bubblewrap sandbox, for tasks made of plain files (no Docker).
 
     harbor run -p TASK_DIR --agent ds_ttt.serve.harbor_agent:TTTAgent \
-        --env ds_ttt.serve.harbor_env:SandboxEnvironment [--ek keep=true] ...
+        --env ds_ttt.serve.harbor_env:SandboxEnvironment [--ek keep=true] [--ek cgroup_caps=none] ...
 
 Runs in the Harbor venv (Python >= 3.12, `bash setup_harbor.sh`); see docs/harbor.md and
 docs/sandbox.md. Each trial is one `ds_ttt.data.sandbox.Sandbox` (the generator's and the serve
 runner's sandbox): bubblewrap with no network, uid 1000 without capabilities, the host's /usr and /etc
 read-only, and as private size-capped tmpfs mounts the task's workdir (`/app` by default, holding the
 task's `environment/` files), HOME=/root, /tmp, /var/tmp and Harbor's `/logs`, `/tests`, `/solution`;
-everything else is read-only and no host path outside the system directories exists inside.
+everything else is read-only and no host path outside the system directories exists inside. Each
+trial's sandbox is a cgroup of its own capping its total memory, processes and CPU, so parallel trials
+cannot take the host's memory; where no cgroup can be made the trial fails with the fix, and
+`--ek cgroup_caps=none` accepts running without (a warning in the trial's log says so; the log records
+what was used).
 
   exec(command, cwd, env, timeout_sec)  `bash -c` in a new shell inside the trial's sandbox (as `docker
                                         exec`: background processes live on); stdout and stderr apart;
@@ -53,8 +57,11 @@ NO_TIMEOUT_SEC = 24 * 3600.0  # Harbor's timeout_sec=None
 class SandboxEnvironment(BaseEnvironment):
     """Harbor `BaseEnvironment`: one bubblewrap `Sandbox` per trial."""
 
-    def __init__(self, *args, keep: bool = False, **kwargs):
+    def __init__(self, *args, keep: bool = False, cgroup_caps: str = "required", **kwargs):
         self._keep = bool(keep) if not isinstance(keep, str) else keep.lower() in ("1", "true", "yes")
+        if cgroup_caps not in ("required", "none"):
+            raise ValueError(f"cgroup_caps={cgroup_caps!r}: choose required (the default) or none (--ek cgroup_caps=none)")
+        self._cgroup_caps = cgroup_caps
         self._sandbox: Sandbox | None = None
         self._lock = asyncio.Lock()
         super().__init__(*args, **kwargs)
@@ -121,7 +128,8 @@ class SandboxEnvironment(BaseEnvironment):
         paths = EnvironmentPaths()
         try:
             sb = Sandbox(keep=self._keep, timeout=NO_TIMEOUT_SEC, workdir=self.workdir, home=HOME,
-                         dirs=(str(paths.logs_dir), str(paths.tests_dir), str(paths.solution_dir)))
+                         dirs=(str(paths.logs_dir), str(paths.tests_dir), str(paths.solution_dir)),
+                         cgroup_caps=self._cgroup_caps)
         except SandboxError as e:
             raise RuntimeError(f"SandboxEnvironment cannot start: {e}") from e
         if self.environment_dir.is_dir():  # plain task files (a Dockerfile was rejected above)
@@ -131,7 +139,10 @@ class SandboxEnvironment(BaseEnvironment):
         res = await self._call(sb.run_fresh, "mkdir -p " + " ".join(str(d) for d in subdirs), timeout=60.0)
         if res.exit_code != 0:
             raise RuntimeError(f"SandboxEnvironment: setting up the log directories failed: {res.stderr.strip()}")
-        self.logger.debug(f"sandbox {sb.base} started")
+        if sb.cgroup_caps == "none":
+            self.logger.warning("SandboxEnvironment: cgroup_caps=none: this trial's commands can use all of this "
+                                "machine's memory, processes and CPU")
+        self.logger.info(f"sandbox {sb.base} started: isolation={sb.isolation} cgroup_caps={sb.cgroup_caps}")
 
     @override
     async def stop(self, delete: bool) -> None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m ds_ttt.serve.runner --model EXPORT --task "Count the lines of notes.txt" \
         [--setup-dir DIR] [--max-rounds 20] [--timeout 10] [--temperature 0] [--max-new-tokens 512] [--keep] \
-        [--device cpu] [--attention-backend {auto,reference,cpu,cuda}] [--no-isolation]
+        [--device cpu] [--attention-backend {auto,reference,cpu,cuda}] [--no-isolation] [--no-cgroup-caps]
 
 Each command runs through `ds_ttt.data.sandbox.Sandbox`, the generator's own sandbox, so the
 observations look exactly like the training data: one persistent bash per episode (a `cd`, an
@@ -11,11 +11,14 @@ an unprivileged uid, only its own size-capped working directory (`/app`, also HO
 C locale, fixed PATH, stdin from /dev/null, a timeout that kills the command (the shell and its files
 stay), an output cap and process/memory/file limits (docs/sandbox.md says what it protects and what
 it does not). Without `bwrap` the runner refuses, naming the install command; --no-isolation accepts
-running the model's commands with this machine's network, files and process table.
+running the model's commands with this machine's network, files and process table. The episode also
+runs in a cgroup of its own capping its total memory, processes and CPU; where none can be made the
+runner refuses with the fix, and --no-cgroup-caps accepts running without.
 The output is formatted by `format_observation` (exit code, timeout and shell-restart notes appended,
 long output cut). With --keep the working directory is copied out to the printed directory at the end.
 Prints one JSON line per round (message, observation, observation loss) and a final summary, which
-records the sandbox isolation used ("bwrap" or "none") and the attention backend.
+records the sandbox isolation used ("bwrap" or "none"), the cgroup caps used ("cgroup-v1", "cgroup-v2",
+"systemd" or "none") and the attention backend.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ class BashToolRunner:
     def isolation(self) -> str:
         """What the sandbox uses: "bwrap" (bubblewrap) or "none" (--no-isolation)."""
         return self.sandbox.isolation
+
+    @property
+    def cgroup_caps(self) -> str:
+        """How the episode is capped: "cgroup-v1", "cgroup-v2", "systemd" or "none" (--no-cgroup-caps)."""
+        return self.sandbox.cgroup_caps
 
     def __enter__(self) -> "BashToolRunner":
         return self
@@ -119,6 +127,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-isolation", action="store_true",
                    help="run the model's commands without bubblewrap (with this machine's network, files and "
                         "process table) where it is unavailable; recorded in the summary")
+    p.add_argument("--no-cgroup-caps", action="store_true",
+                   help="run the episode without a cgroup capping its total memory, processes and CPU where none can "
+                        "be made; recorded in the summary")
     args = p.parse_args(argv)
     from ds_ttt.serve.session import AgentSession
 
@@ -127,13 +138,18 @@ def main(argv=None) -> int:
     if args.no_isolation:
         print("warning: --no-isolation: the model's commands run with this machine's network, write access and "
               "process table", file=sys.stderr, flush=True)
+    if args.no_cgroup_caps:
+        print("warning: --no-cgroup-caps: the model's commands can use all of this machine's memory, processes and CPU",
+              file=sys.stderr, flush=True)
     with BashToolRunner(timeout=args.timeout, keep=args.keep, setup_dir=args.setup_dir,
-                        isolation="none" if args.no_isolation else "required") as runner:
+                        isolation="none" if args.no_isolation else "required",
+                        cgroup_caps="none" if args.no_cgroup_caps else "required") as runner:
         result = run_episode(session, args.task, runner, max_rounds=args.max_rounds,
                              on_round=lambda r: print(json.dumps(r, ensure_ascii=False), flush=True))
         summary = {k: v for k, v in result.items() if k != "rounds"}
         summary["attention_backend"] = session.agent.attention_backend
         summary["isolation"] = runner.isolation
+        summary["cgroup_caps"] = runner.cgroup_caps
         if args.keep:
             summary["sandbox"] = str(runner.root)
     print(json.dumps(summary), flush=True)

@@ -2,6 +2,7 @@
 {attack: {"exec": output, "shell": output}} as JSON for tests/harbor/test_harbor_hostile.py to judge.
 
     .venv-harbor/bin/python tests/harbor/hostile_probe.py COMMANDS_JSON SCRATCH_DIR [ENV_MODULE_FILE]
+    DS_TTT_PROBE_ENV_KWARGS='{"cgroup_caps": "none"}' ...   # extra environment kwargs, as Harbor's --ek passes them
 
 COMMANDS_JSON maps attack names to shell commands (tests/unit/hostile.py fills them in). Each attack
 gets a fresh environment (one trial) and runs once through `exec` (what Harbor and its agents call)
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,7 +35,7 @@ def load_env_class(path: str | None):
     return module.SandboxEnvironment
 
 
-async def run_all(commands: dict[str, str], scratch: Path, env_cls) -> dict:
+async def run_all(commands: dict[str, str], scratch: Path, env_cls, env_kwargs: dict) -> dict:
     out = {}
     empty = scratch / "environment"
     empty.mkdir(exist_ok=True)
@@ -42,7 +44,7 @@ async def run_all(commands: dict[str, str], scratch: Path, env_cls) -> dict:
         paths.mkdir()
         env = env_cls(environment_dir=empty, environment_name="hostile", session_id=f"hostile-{i}", trial_paths=paths,
                       task_env_config=EnvironmentConfig(workdir="/app"),
-                      network_policy=NetworkPolicy(network_mode=NetworkMode.NO_NETWORK))
+                      network_policy=NetworkPolicy(network_mode=NetworkMode.NO_NETWORK), **env_kwargs)
         await env.start(force_build=False)
         try:
             res = {}
@@ -63,4 +65,5 @@ async def run_all(commands: dict[str, str], scratch: Path, env_cls) -> dict:
 if __name__ == "__main__":
     cmds = json.loads(Path(sys.argv[1]).read_text())
     cls = load_env_class(sys.argv[3] if len(sys.argv) > 3 else None)
-    print(json.dumps(asyncio.run(run_all(cmds, Path(sys.argv[2]), cls))))
+    kwargs = json.loads(os.environ.get("DS_TTT_PROBE_ENV_KWARGS", "{}"))
+    print(json.dumps(asyncio.run(run_all(cmds, Path(sys.argv[2]), cls, kwargs))))

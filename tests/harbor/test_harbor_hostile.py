@@ -54,6 +54,31 @@ def test_every_attack_fails_through_harbor(harbor_python, tmp_path):
     assert problems == {}, json.dumps(problems, indent=1)[-6000:]
 
 
+@pytest.mark.parametrize("cgroup_caps", ["required", "none"])
+def test_every_trial_runs_in_a_cgroup_of_its_own_unless_declined(harbor_python, tmp_path, cgroup_caps):
+    """The resource attacks of tests/unit/hostile.py run against the same `Sandbox` in
+    test_sandbox_hostile.py; here: a Harbor trial's commands (exec and the persistent shell) are members
+    of the trial's own cgroup, whose caps that suite checks; `--ek cgroup_caps=none` declines it."""
+    from ds_ttt.data.sandbox import cgroup_problem
+
+    if cgroup_caps == "required" and cgroup_problem() is not None:
+        pytest.skip(f"no cgroup can be made here: {cgroup_problem()}")
+    (tmp_path / "cmds.json").write_text(json.dumps({"cgroup": "cat /proc/self/cgroup"}))
+    (tmp_path / "scratch").mkdir()
+    proc = subprocess.run([str(harbor_python), str(REPO / "tests" / "harbor" / "hostile_probe.py"),
+                           str(tmp_path / "cmds.json"), str(tmp_path / "scratch")], capture_output=True, text=True,
+                          timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                                                      "DS_TTT_PROBE_ENV_KWARGS": json.dumps({"cgroup_caps": cgroup_caps})})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout)["cgroup"]
+    for way in ("exec", "shell"):
+        lines = got[way].splitlines()
+        memory = [line for line in lines if ":memory:" in line] or [line for line in lines if line.startswith("0::")]
+        assert memory, got[way]
+        # the trial's own cgroup (v1: the memory line; v2: the unified line), or none when declined
+        assert ("/ds_ttt_sbx_" in memory[0]) == (cgroup_caps == "required"), got[way]
+
+
 def test_the_old_environment_is_caught_escaping(harbor_python, tmp_path):
     old = tmp_path / "old_harbor_env.py"
     old.write_text(subprocess.run(["git", "show", f"{OLD_ENV_COMMIT}:ds_ttt/serve/harbor_env.py"], cwd=REPO,

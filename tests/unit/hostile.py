@@ -3,6 +3,10 @@
 Not a test module: tests/unit/test_sandbox_hostile.py runs the attacks through the generator's
 `Sandbox` and the serve runner's `BashToolRunner`; tests/harbor/test_harbor_hostile.py runs them
 through Harbor's `SandboxEnvironment` (in the Harbor venv, via tests/harbor/hostile_probe.py).
+`RESOURCE_ATTACKS` try to take the host's memory, process table or CPU from one episode, each
+process staying under every per-process limit; test_sandbox_hostile.py judges them from the host
+(`ResourceWatch`: the sandbox's processes' memory, number and CPU time, read from /proc), against the
+episode's cgroup caps of `RESOURCE_LIMITS`.
 
 `HostTargets` sets up, outside any sandbox: a sentinel tree holding a secret token (its hash is
 compared before and after), Unix-socket servers in /dev/shm, /run and /tmp plus an abstract one, a
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -194,6 +200,26 @@ ATTACKS: dict[str, tuple[str, object]] = {
 }
 
 
+# The episode caps the resource attacks run under (small, so that a failing cap costs little): 256 MiB
+# of memory, 40 processes, half a core; tmpfs mounts small enough to fit in the memory cap.
+RESOURCE_LIMITS = {"max_disk_bytes": 16 << 20, "max_scratch_bytes": 16 << 20, "max_file_bytes": 8 << 20,
+                   "max_episode_memory_bytes": 256 << 20, "max_episode_processes": 40, "max_episode_cpus": 0.5}
+WRITABLE_MOUNTS = ("/app", "/tmp", "/var/tmp", "/dev/shm", "/run")  # every writable tmpfs of a default sandbox
+# name -> command. Each process stays under every per-process limit (4 GiB of address space, 256 processes).
+RESOURCE_ATTACKS = {
+    # 8 x 100 MiB of touched memory: 800 MiB together, 3 x the memory cap
+    "memory_many_processes": ("for i in 1 2 3 4 5 6 7 8; do " + PY + "'import time; b = b\"x\" * (100 << 20); "
+                              "time.sleep(30)' & done; wait; echo all survived"),
+    # 30 loops, each forking `true` for 2 s: 61 processes at once, below RLIMIT_NPROC, above the cgroup's 40
+    "fork_storm": "for i in $(seq 30); do (end=$((SECONDS + 2)); while [ $SECONDS -lt $end ]; do /bin/true; done) & done; wait",
+    # 16 background spinners: every core of the machine, even while other work shares it; the command returns at once
+    "busy_cores": "for i in $(seq 16); do (while :; do :; done) & done; echo started",
+    # every writable tmpfs filled with 4 MiB files (each under RLIMIT_FSIZE) until it is full
+    "tmpfs_fill": ("for d in " + " ".join(WRITABLE_MOUNTS) + "; do i=0; while head -c 4M /dev/zero > $d/fill$i 2>/dev/null; "
+                   "do i=$((i+1)); done; done; df -k " + " ".join(WRITABLE_MOUNTS)),
+}
+
+
 def command(name: str, fields: dict) -> str:
     """The attack's shell command with the host's paths, pid, port and token filled in."""
     text = ATTACKS[name][0]
@@ -208,3 +234,91 @@ def command(name: str, fields: dict) -> str:
 def extra_check(name: str, output: str) -> bool:
     check = ATTACKS[name][1]
     return True if check is None else bool(check(output))
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def descendants(root_pid: int) -> list[int]:
+    """root_pid and every process below it, from /proc/PID/task/*/children."""
+    out, stack = [], [root_pid]
+    while stack:
+        pid = stack.pop()
+        out.append(pid)
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    stack += [int(k) for k in f.read().split()]
+            except OSError:
+                pass
+    return out
+
+
+def host_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class ResourceWatch:
+    """What the processes under a root pid use, sampled from the host every 10 ms in a thread: the peak
+    of their number, the peak of their anonymous resident memory summed, and their CPU seconds (each
+    process's utime + stime at its last sample, so processes that ended count too, up to one sample).
+
+    A guard, not only a gauge: when their memory passes `kill_above` bytes, or the host's MemAvailable
+    falls under `host_floor`, it SIGKILLs them all (and records that it did), so a cap that does not
+    hold costs a failed test, never the machine. `root` is a callable (the sandbox may restart its root)."""
+
+    def __init__(self, root, kill_above: int, host_floor: int = 2 << 30):
+        self.root, self.kill_above, self.host_floor = root, kill_above, host_floor
+        self.peak_processes = self.peak_memory = 0
+        self.killed = ""
+        self._cpu: dict[tuple[int, str], float] = {}  # (pid, start time) -> CPU seconds at the last sample
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "ResourceWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cpu_seconds(self) -> float:
+        return sum(self._cpu.values())
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            root = self.root()
+            if root is not None:
+                pids = descendants(root)
+                memory = 0
+                for pid in pids:
+                    try:
+                        with open(f"/proc/{pid}/statm") as f:
+                            _size, resident, shared = (int(x) for x in f.read().split()[:3])
+                        with open(f"/proc/{pid}/stat") as f:
+                            fields = f.read().rsplit(")", 1)[1].split()
+                    except (OSError, ValueError):
+                        continue
+                    memory += (resident - shared) * PAGE
+                    self._cpu[(pid, fields[19])] = (int(fields[11]) + int(fields[12])) / TICK
+                self.peak_processes = max(self.peak_processes, len(pids))
+                self.peak_memory = max(self.peak_memory, memory)
+                if memory > self.kill_above or host_available_bytes() < self.host_floor:
+                    self.killed = (f"the watch killed the attack: {memory >> 20} MiB in the sandbox, "
+                                   f"{host_available_bytes() >> 20} MiB available on the host")
+                    for pid in pids[1:]:  # all but the root: the sandbox itself reports what happened
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except OSError:
+                            pass
+            time.sleep(0.01)

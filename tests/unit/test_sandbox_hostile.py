@@ -10,8 +10,15 @@ secret never shows, no host server sees a connection, the sentinel tree's hash i
 appears at the host paths written to, and the attack's own check holds. tests/harbor/ runs the same
 attacks through Harbor's `SandboxEnvironment`. The sandboxes here use small disk and file caps (the
 same tmpfs and RLIMIT_FSIZE mechanism as the defaults) so a fill costs 64 MiB, not 1 GiB.
+
+The resource attacks (hostile.RESOURCE_ATTACKS: 8 processes x 100 MiB, a fork storm, spinners on every
+core, every tmpfs filled) run in both places under small episode caps (256 MiB, 40 processes, half a
+core) and are judged from the host by `ResourceWatch`, which also kills an attack whose memory passes
+twice the cap. Against the sandbox before issue 32 (no cgroup; run without the max_episode_* options
+it lacks) the memory attack, the fork storm and the spinners get through; the tmpfs sizes held there.
 """
 
+import inspect
 import json
 import os
 import re
@@ -21,10 +28,11 @@ import time
 import pytest
 
 from ds_ttt.data import sandbox as sandbox_mod
-from ds_ttt.data.sandbox import Sandbox, _tree
+from ds_ttt.data.sandbox import Sandbox, _tree, format_observation
 from ds_ttt.serve.runner import BashToolRunner
 
-from hostile import ATTACKS, HostTargets, command, extra_check
+from hostile import (ATTACKS, RESOURCE_ATTACKS, RESOURCE_LIMITS, WRITABLE_MOUNTS, HostTargets, ResourceWatch, command,
+                     extra_check)
 
 pytestmark = pytest.mark.skipif(not sandbox_mod.network_isolation_available(),
                                 reason=f"bubblewrap sandbox unavailable here: {sandbox_mod.isolation_problem()}")
@@ -41,23 +49,28 @@ def targets():
 class GeneratorPlace:
     """The generator's `Episode.act` calls `Sandbox.run`: the same call, output unformatted."""
 
-    def __init__(self):
-        self.sb = Sandbox(timeout=TIMEOUT, **LIMITS)
+    def __init__(self, limits=LIMITS):
+        self.sb = Sandbox(timeout=TIMEOUT, **limits)
 
     def run(self, cmd: str) -> str:
         return self.sb.run(cmd).output
+
+    def observe(self, cmd: str) -> str:  # what Episode.act puts in the trajectory
+        return format_observation(self.sb.run(cmd), max_chars=50_000)
 
     def close(self):
         self.sb.close()
 
 
 class RunnerPlace:
-    def __init__(self):
-        self.runner = BashToolRunner(timeout=TIMEOUT, max_output_chars=50_000, **LIMITS)
+    def __init__(self, limits=LIMITS):
+        self.runner = BashToolRunner(timeout=TIMEOUT, max_output_chars=50_000, **limits)
         self.sb = self.runner.sandbox
 
     def run(self, cmd: str) -> str:
         return self.runner.execute({"function": {"name": "bash", "arguments": json.dumps({"command": cmd})}})
+
+    observe = run
 
     def close(self):
         self.runner.close()
@@ -176,3 +189,67 @@ def test_a_late_reap_answer_is_skipped_not_misread(monkeypatch):
             after = sb.run("echo alive; (exit 3)")
             assert (after.output, after.exit_code, after.shell_restarted) == ("alive\n", 3, False)
             assert sb._proc is not None and sb.num_restarts == 0
+
+
+def resource_options() -> dict:
+    """RESOURCE_LIMITS, less any option this `Sandbox` lacks (the sandbox before issue 32 had no max_episode_*
+    options: it runs without them, and the host-side checks judge it the same way)."""
+    params = inspect.signature(Sandbox).parameters
+    return {k: v for k, v in RESOURCE_LIMITS.items() if k in params}
+
+
+def df_rows(out: str) -> dict[str, tuple[int, int]]:
+    """{mount: (size KiB, used KiB)} from `df -k` lines."""
+    rows = {}
+    for m in re.finditer(r"^\S+\s+(\d+)\s+(\d+)\s+\d+\s+\d+%\s+(\S+)$", out, re.M):
+        rows[m.group(3)] = (int(m.group(1)), int(m.group(2)))
+    return rows
+
+
+@pytest.mark.parametrize("attack", sorted(RESOURCE_ATTACKS))
+@pytest.mark.parametrize("place", sorted(PLACES))
+def test_resource_attack_is_capped_for_the_whole_episode(place, attack):
+    """Each attack stays under every per-process limit; what the whole episode gets is judged from the
+    host: its processes' memory (peak of the sum), their number, their CPU time per wall second."""
+    memory_cap, processes_cap = RESOURCE_LIMITS["max_episode_memory_bytes"], RESOURCE_LIMITS["max_episode_processes"]
+    cpus_cap = RESOURCE_LIMITS["max_episode_cpus"]
+    p = PLACES[place](resource_options())
+    group = getattr(p.sb, "_cgroup", None)
+    cgroup_dirs = group._dirs() if group is not None else []
+    cpu_rate = cgroup_cpu_rate = memory_in_cgroup = None
+    try:
+        with ResourceWatch(lambda: p.sb._proc.pid if p.sb._proc is not None else None,
+                           kill_above=2 * memory_cap) as watch:
+            out = p.observe(RESOURCE_ATTACKS[attack])
+            if attack == "busy_cores":  # the spinners run on in the background: measure them over 1.5 s
+                kernel = group is not None and group.cpu_seconds() is not None  # the cgroup's own account, too
+                c0, k0, t0 = watch.cpu_seconds(), group.cpu_seconds() if kernel else 0.0, time.monotonic()
+                time.sleep(1.5)
+                cpu_rate = (watch.cpu_seconds() - c0) / (time.monotonic() - t0)
+                if kernel:
+                    cgroup_cpu_rate = (group.cpu_seconds() - k0) / (time.monotonic() - t0)
+            if attack == "tmpfs_fill" and group is not None:
+                memory_in_cgroup = group.memory_bytes()  # tmpfs pages are charged to the episode
+            after = p.observe("echo alive")
+    finally:
+        p.close()
+    # The watch's walk of /proc is not atomic (a process that ends during it may be counted beside the one
+    # that replaced it), so it is allowed a little over the caps: the attacks take 3x the memory, 1.5x the processes
+    assert watch.killed == "", (watch.killed, out[-2000:])
+    assert watch.peak_memory <= memory_cap + (16 << 20), (watch.peak_memory >> 20, out[-2000:])
+    assert watch.peak_processes <= processes_cap + 4, (watch.peak_processes, out[-2000:])
+    assert after.startswith("alive"), after[-1000:]  # the sandbox still answers (the shell may have been restarted)
+    if attack == "memory_many_processes":
+        assert "all survived" not in out
+        assert f"[command killed: the sandbox reached its memory limit of {memory_cap >> 20} MiB]" in out, out[-2000:]
+    if attack == "busy_cores":
+        assert cpu_rate <= cpus_cap + 0.15, cpu_rate  # a CFS quota holds to a period (100 ms); 1.5 s of samples
+        assert cgroup_cpu_rate is None or cgroup_cpu_rate <= cpus_cap + 0.1, cgroup_cpu_rate
+    if attack == "tmpfs_fill":
+        rows = df_rows(out)
+        assert sorted(rows) == sorted(WRITABLE_MOUNTS), out[-2000:]
+        for mount, (size_kib, used_kib) in rows.items():
+            assert used_kib <= size_kib and size_kib - used_kib < 4096, (mount, size_kib, used_kib)  # full, not over
+        if memory_in_cgroup is not None:
+            assert memory_in_cgroup <= memory_cap, memory_in_cgroup
+    assert [d for d in cgroup_dirs if d.exists()] == []  # the episode's cgroup went with it

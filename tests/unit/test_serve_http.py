@@ -342,16 +342,18 @@ def test_trimmed_export_loads_in_evaluation_memory_test_service_runner_and_http(
     assert [r["ok"] for r in out] == [True, True, True], out
     assert out[1]["result"]["message"]["tool_calls"][0]["function"]["name"] == "bash" and out[2]["result"]["updated"]
     # the runner: the model's bash calls run in the sandbox
-    from ds_ttt.data.sandbox import isolation_problem
+    from ds_ttt.data.sandbox import cgroup_problem, isolation_problem
 
-    isolated = isolation_problem() is None
+    isolated, capped = isolation_problem() is None, cgroup_problem() is None
     proc = subprocess.run([sys.executable, "-m", "ds_ttt.serve.runner", "--model", str(export), "--task", "List the files.",
-                           "--max-rounds", "2", "--max-new-tokens", "48"] + ([] if isolated else ["--no-isolation"]),
+                           "--max-rounds", "2", "--max-new-tokens", "48"] + ([] if isolated else ["--no-isolation"])
+                          + ([] if capped else ["--no-cgroup-caps"]),
                           capture_output=True, text=True, timeout=600, env=ENV, cwd=REPO)
     lines = [json.loads(line) for line in proc.stdout.splitlines()]  # one per round, then the summary
     assert proc.returncode in (0, 1) and lines, proc.stderr
     assert lines[-1]["num_rounds"] == len(lines) - 1 >= 1 and lines[-1]["attention_backend"] == "reference"
     assert lines[-1]["isolation"] == ("bwrap" if isolated else "none")
+    assert (lines[-1]["cgroup_caps"] != "none") == capped  # what was used is recorded
     # the HTTP server, as a user starts it
     # (with its API key from the environment and a shorter context)
     srv = subprocess.Popen([sys.executable, "-m", "ds_ttt.serve.http", "--model", str(export), "--port", "0",

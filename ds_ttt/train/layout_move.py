@@ -40,7 +40,7 @@ torch.load(weights_only=False); the converted files they then read were written 
 
 The source must hold ZeRO partitions (zero_optimization.stage 1, every shipped config); a stage-0
 run is refused (DeepSpeed's universal conversion reads ZeRO files only). Tests:
-tests/unit/test_resume_checks.py (the refusals), tests/unit/test_layout_move.py (the pieces),
+tests/unit/test_resume_checks.py (the refusals), tests/unit/test_layout_move_parts.py (the pieces),
 tests/e2e/test_layout_move.py (three moves against uninterrupted runs, an exact resume after each, a
 kill during the conversion).
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import pytest
 
@@ -47,6 +48,8 @@ def test_a_model_that_learned_the_solution_solves_the_task_in_the_sandbox(script
     assert ttt.success and ttt.stop == "answer" and ttt.rounds == 2 and ttt.updates == 1, ttt
     assert json.loads(ttt.actions[0]) == {"command": "wc -l < notes.txt > answer.txt"}
     assert "pass" in ttt.test_log
+    # the batched scheduler's thread has ended (one left running inside torch at exit aborts the process)
+    assert not [t for t in threading.enumerate() if t.name == "ds_ttt-scheduler"]
     (frozen,) = run_episodes(agent, tasks, mode="frozen", max_new_tokens=96, progress=False)
     assert frozen.updates == 0 and frozen.rounds >= 1
     with pytest.raises(ValueError, match="without adaptive layers"):

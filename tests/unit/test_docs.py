@@ -19,6 +19,9 @@
    of ds_ttt/.
 3. docs/training.md's rule for ds_ttt/train: its modules' module-level imports form layers, never a cycle.
 4. Every repository path that docs/glossary.md names exists, and README links the glossary.
+5. No two test modules under pyproject's testpaths share a file name: the test folders are not packages,
+   so pytest imports each module by its bare name and refuses the whole run at collection when two
+   collide (tests/unit/test_layout_move.py beside tests/e2e/test_layout_move.py did once).
 Each checker also runs on a changed copy of the real text, to show it can fail.
 """
 
@@ -324,3 +327,27 @@ def test_glossary_paths_exist_and_readme_links_it():
     missing = [p for p in paths if not (REPO / p).exists()]
     assert missing == [], f"docs/glossary.md names paths that do not exist: {missing}"
     assert "](docs/glossary.md)" in (REPO / "README.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. test module names
+# ---------------------------------------------------------------------------------------------------
+def colliding_test_modules(paths: list[str]) -> dict[str, list[str]]:
+    """{file name: its paths} for every test_*.py name that more than one path uses."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        name = pathlib.PurePosixPath(path).name
+        if name.startswith("test_") and name.endswith(".py"):
+            by_name.setdefault(name, []).append(path)
+    return {name: found for name, found in by_name.items() if len(found) > 1}
+
+
+def test_test_module_names_are_unique():
+    testpaths = ["tests", "gpu_check/tests"]
+    assert f"testpaths = {json.dumps(testpaths)}" in (REPO / "pyproject.toml").read_text()
+    files = [str(p.relative_to(REPO)) for root in testpaths for p in (REPO / root).rglob("test_*.py")]
+    assert len(files) > 40
+    assert colliding_test_modules(files) == {}, "rename one of each pair: pytest imports test modules by bare name"
+    assert colliding_test_modules(["tests/unit/test_a.py", "tests/e2e/test_a.py", "tests/e2e/test_b.py"]) == {
+        "test_a.py": ["tests/unit/test_a.py", "tests/e2e/test_a.py"]
+    }

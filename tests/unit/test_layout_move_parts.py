@@ -3,7 +3,7 @@ weights_only check of the source, the anchor written into the universal folder, 
 universal-load switch. The moves themselves: tests/e2e/test_layout_move.py; the refusals:
 tests/unit/test_resume_checks.py.
 
-    python -m pytest tests/unit/test_layout_move.py
+    python -m pytest tests/unit/test_layout_move_parts.py
 """
 
 from __future__ import annotations

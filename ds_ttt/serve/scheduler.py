@@ -115,10 +115,14 @@ class BatchScheduler:
             self._cv.notify()
         group.future.result()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = 60.0) -> None:
+        """End the loop after its current iteration and wait for its thread (a daemon thread left inside a
+        torch op when the interpreter exits aborts the process: "terminate called without an active exception")."""
         with self._cv:
             self._closed = True
             self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def stats(self) -> dict:
         """Counters since start (GET /health "scheduler"): rows (one per token fed through a batched

@@ -4,7 +4,8 @@
 #   data-parallel CPU ranks: the fastest layout on 2 cores, docs/adaptation.md) -> evaluate the
 #   manifest's held-out split (ttt vs frozen) -> the held-out sets of the fair comparison (128 memory
 #   worlds of the held-out pool, >= 100 memory-check and >= 200 recovery rounds from fresh episodes;
-#   test seeds) -> export -> the report with 95% intervals and the issue-19 targets.
+#   test seeds) -> export -> closed-loop held-out tasks (the model acts in sandboxes; each task's own test
+#   scores it; ttt vs frozen) -> the report with 95% intervals and the targets.
 #
 #   bash setup.sh && bash launch/main.sh [WORK_DIR]        # WORK_DIR defaults to runs/main
 #
@@ -13,7 +14,8 @@
 #   NUM_EXTRA (600)  extra memory-family episodes, another seed, added to the train split only
 #                    (prepare.py --train-only: the held-out split stays exactly the main corpus's)
 #   SEED (0), MAX_STEPS (1000), DS_CONFIG (ds_configs/cpu_tiny_pp1_dp2.json), NUM_RANKS (2),
-#   RUN_CONFIG (ds_configs/run_cpu_tiny.json), REPORT (WORK_DIR/adaptation: .json/.md/.png)
+#   RUN_CONFIG (ds_configs/run_cpu_tiny.json), REPORT (WORK_DIR/adaptation: .json/.md/.png),
+#   TASKS_PER_KIND (12)  closed-loop task instances per kind (17 kinds; test seeds), built while training runs
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WORK="${1:-runs/main}"
@@ -26,6 +28,7 @@ DS_CONFIG="${DS_CONFIG:-ds_configs/cpu_tiny_pp1_dp2.json}"
 NUM_RANKS="${NUM_RANKS:-2}"
 RUN_CONFIG="${RUN_CONFIG:-ds_configs/run_cpu_tiny.json}"
 REPORT="${REPORT:-$WORK/adaptation}"
+TASKS_PER_KIND="${TASKS_PER_KIND:-12}"
 PY=.venv/bin/python
 source launch/same_checkout.sh && require_same_checkout "$PY"
 export OMP_NUM_THREADS=1 WANDB_MODE="${WANDB_MODE:-offline}" DS_ACCELERATOR=cpu
@@ -35,29 +38,40 @@ t0=$(date +%s)
 load_start=$(cut -d' ' -f1 /proc/loadavg)
 step() { echo; echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
 
-step "1/7 generate $NUM_TRAJ trajectories (seed $SEED) and $NUM_EXTRA extra memory episodes (seed $EXTRA_SEED) in real bash sandboxes"
+step "1/8 generate $NUM_TRAJ trajectories (seed $SEED) and $NUM_EXTRA extra memory episodes (seed $EXTRA_SEED) in real bash sandboxes"
 $PY data_prep/generate.py --out "$WORK/raw" --num "$NUM_TRAJ" --seed "$SEED"
 $PY data_prep/generate.py --out "$WORK/raw_extra" --num "$NUM_EXTRA" --seed "$EXTRA_SEED" --family memory --no-token-stats
 
-step "2/7 prepare the manifest (compact Qwen3 vocabulary, capacity filter, split, hashes; extra episodes train-only)"
+step "2/8 prepare the manifest (compact Qwen3 vocabulary, capacity filter, split, hashes; extra episodes train-only)"
 $PY data_prep/prepare.py --inputs "$WORK/raw/trajectories.jsonl" --train-only "$WORK/raw_extra/trajectories.jsonl" \
   --out "$WORK/data" --seed "$SEED" --trim-vocab
 
-step "3/7 meta-train: $NUM_RANKS CPU ranks ($DS_CONFIG), $MAX_STEPS steps"
+# the closed-loop task suite needs no model: build and check it on the side while training runs
+rm -rf "$WORK/tasks"
+$PY evals/task_suite.py --out "$WORK/tasks" --split test --num-per-kind "$TASKS_PER_KIND" > "$WORK/task_suite.log" 2>&1 &
+suite_pid=$!
+
+step "3/8 meta-train: $NUM_RANKS CPU ranks ($DS_CONFIG), $MAX_STEPS steps"
 .venv/bin/deepspeed --num_gpus "$NUM_RANKS" launch/train.py --deepspeed_config "$DS_CONFIG" --run_config "$RUN_CONFIG" \
   --data "$WORK/data/manifest.json" --output "$WORK/run" --max_steps "$MAX_STEPS"
 
-step "4/7 evaluate the manifest's held-out split: ttt vs frozen, the trained context policy"
+step "4/8 evaluate the manifest's held-out split: ttt vs frozen, the trained context policy"
 $PY evals/evaluate.py --checkpoint "$WORK/run" --manifest "$WORK/data/manifest.json" --out "$WORK/eval" > /dev/null
 
-step "5/7 held-out sets (test seeds, prompts never seen in training) and the model's score on them"
+step "5/8 held-out sets (test seeds, prompts never seen in training) and the model's score on them"
 $PY evals/heldout_sets.py --manifest "$WORK/data/manifest.json" --out "$WORK/sets" --split test > /dev/null
 $PY evals/score_baseline.py --checkpoint "$WORK/run" --sets "$WORK/sets" --label ttt_current --out "$WORK/heldout_row.json"
 
-step "6/7 export for serving (Hugging Face layout + prime weights)"
+step "6/8 export for serving (Hugging Face layout + prime weights)"
 $PY launch/export.py --checkpoint "$WORK/run" --out "$WORK/export"
 
-step "7/7 report"
+step "7/8 closed-loop held-out tasks: the model acts in a sandbox, each task's test scores it (ttt, frozen)"
+wait "$suite_pid" || { echo "the task suite failed: $WORK/task_suite.log"; tail -n 20 "$WORK/task_suite.log"; exit 1; }
+tail -n 1 "$WORK/task_suite.log"
+$PY evals/agent_tasks.py --model "$WORK/run" --tasks "$WORK/tasks" --label ttt_current --out "$WORK/agent_tasks_scored.json" \
+  2> "$WORK/agent_tasks.log"
+
+step "8/8 report"
 elapsed=$(( $(date +%s) - t0 ))
 setup_s=0
 # setup.sh records how long it took; count it when it ran right before this job (the README command)
@@ -71,9 +85,15 @@ $PY evals/baselines_report.py --rows "$WORK/heldout_row.json" --out "$REPORT" \
   --seeds "{\"main_corpus\": $SEED, \"extra_memory_episodes\": $EXTRA_SEED, \"num_traj\": $NUM_TRAJ, \"num_extra\": $NUM_EXTRA, \"max_steps\": $MAX_STEPS}" \
   --load-start "$load_start" --load-end "$load_end" \
   --extra "{\"minutes\": $minutes, \"setup_seconds\": $setup_s, \"main_seconds\": $elapsed, \"run_config\": \"$RUN_CONFIG\", \"ds_config\": \"$DS_CONFIG\"}" > /dev/null
+$PY evals/agent_tasks_report.py --scored "$WORK/agent_tasks_scored.json" --out "$WORK/agent_tasks" \
+  --command "bash launch/main.sh  # TASKS_PER_KIND=$TASKS_PER_KIND SEED=$SEED MAX_STEPS=$MAX_STEPS" \
+  --seeds "{\"train\": $SEED, \"task_seed_base\": $($PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["seed_base"])' "$WORK/tasks/suite.json")}" \
+  --load-start "$load_start" --load-end "$load_end" > /dev/null
 
 step "done in $(( $(date +%s) - t0 )) s (with setup: $minutes min)"
 echo
 sed -n '1,20p' "$WORK/eval/summary.md"
 echo
 cat "$REPORT.md"
+echo
+cat "$WORK/agent_tasks.md"

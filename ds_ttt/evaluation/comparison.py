@@ -20,6 +20,9 @@ Held-out sets (written once, scored identically for every model, so differences 
   recovery episodes  fresh error_recovery episodes, same rule, until >= `num_recovery` recovery rounds
                      (the action right after a failing command).
 Metrics per (model, mode): worlds_128 / worlds_32 / readbacks_exact (Wilson intervals),
+copy_check (a diagnostic: the readbacks of the 128 worlds scored with FULL context whatever the model's
+trained policy, so the earlier round that printed the value is in view: can the model reproduce it
+verbatim by attention? for a full-context model it is readbacks_exact itself),
 memory_action_em over memory-check rounds (Wilson), recovery_nll (token-weighted over recovery
 rounds) and action_nll (every action token of both episode sets), each NLL with a bootstrap interval
 over episodes; `compare_rows` adds paired bootstrap intervals on NLL differences between models
@@ -153,7 +156,25 @@ def score_model(model, tokenizer, sets: dict[str, list[dict]], *, progress: bool
                 rows.append(metrics)
             per_set[name] = rows
         out[mode] = summarize_mode(per_set, sets)
+        copy_rows = per_set["memory_worlds"]
+        if model.ttt.context_policy != "full":
+            copy_rows = _score_full_context(model, tokenizer, rendered["memory_worlds"], run_mode, progress=progress)
+        _add_rate(out[mode], "copy_check", [x for w in _readbacks(sets["memory_worlds"], copy_rows) for x in w])
     return out
+
+
+def _score_full_context(model, tokenizer, rendered: list, run_mode: str, *, progress: bool) -> list:
+    """Per-round metrics of `rendered` with the model's context policy switched to full for the call."""
+    from tqdm import tqdm
+
+    from ds_ttt.evaluation.runner import evaluate_trajectory, set_context_policy
+
+    trained = set_context_policy(model, "full")
+    try:
+        return [evaluate_trajectory(model, r, run_mode, tokenizer=tokenizer)[0]
+                for r in tqdm(rendered, desc=f"{run_mode} copy check (full context)", unit="traj", disable=not progress)]
+    finally:
+        set_context_policy(model, trained)
 
 
 def _readbacks(trajs: list[dict], per_traj: list) -> list[list[bool]]:
@@ -162,6 +183,12 @@ def _readbacks(trajs: list[dict], per_traj: list) -> list[list[bool]]:
         by_round = {m.round: m for m in metrics}
         out.append([bool(by_round[rb["round"]].obs_exact) for rb in traj["meta"]["readbacks"]])
     return out
+
+
+def _add_rate(res: dict, key: str, outcomes: list[bool]) -> None:
+    k, n = int(sum(outcomes)), len(outcomes)
+    lo, hi = wilson_interval(k, n)
+    res.update({key: k / n if n else None, f"{key}_lo": lo, f"{key}_hi": hi, f"{key}_count": [k, n]})
 
 
 def summarize_mode(per_set: dict[str, list], sets: dict[str, list[dict]]) -> dict:
@@ -177,9 +204,7 @@ def summarize_mode(per_set: dict[str, list], sets: dict[str, list[dict]]) -> dic
     res = {}
 
     def rate(key, outcomes):
-        k, n = int(sum(outcomes)), len(outcomes)
-        lo, hi = wilson_interval(k, n)
-        res.update({key: k / n if n else None, f"{key}_lo": lo, f"{key}_hi": hi, f"{key}_count": [k, n]})
+        _add_rate(res, key, outcomes)
 
     def nll(key, units):
         num, den = [u[0] for u in units], [u[1] for u in units]
@@ -232,7 +257,7 @@ def score_checkpoint(checkpoint: str, sets_dir: str, *, label: str, progress: bo
 
 
 ROW_METRICS = ("worlds_128", "worlds_32", "readbacks_exact", "memory_action_em", "recovery_nll", "action_nll",
-               "worlds_train_pool_32")
+               "worlds_train_pool_32", "copy_check")
 
 
 def compare_rows(models: list[dict], *, command: str, seeds: dict, load: dict) -> dict:
@@ -247,6 +272,9 @@ def compare_rows(models: list[dict], *, command: str, seeds: dict, load: dict) -
             row = {"model": m["label"], "train_policy": m["train_policy"], "eval_policy": m["train_policy"],
                    "mode": mode, "ablation": mode == "frozen"}
             for k in ROW_METRICS:
+                if k not in res:
+                    raise ValueError(f"compare_rows: the row of {m['label']} ({mode}) has no {k!r}: it was scored "
+                                     "before that metric existed; score it again (evals/score_baseline.py)")
                 row.update({k: res[k], f"{k}_lo": res[f"{k}_lo"], f"{k}_hi": res[f"{k}_hi"]})
                 if f"{k}_count" in res:
                     row[f"{k}_count"] = res[f"{k}_count"]
@@ -312,14 +340,15 @@ def markdown(report: dict) -> str:
              f"memory episodes: {files['memory_episodes']['num']} ({files['memory_episodes']['memory_check_rounds']} "
              f"memory-check rounds); recovery episodes: {files['recovery_episodes']['num']} "
              f"({files['recovery_episodes']['recovery_rounds']} recovery rounds); prompts never seen in training; "
-             "`worlds, training pool` is a diagnostic (formats training uses, fresh values)",
+             "`worlds, training pool` is a diagnostic (formats training uses, fresh values); `copy check` too: the 128 "
+             "worlds' readbacks with full context whatever the trained policy (can attention copy a value shown rounds ago?)",
              f"- command: `{report['command']}`", f"- seeds: {json.dumps(report['seeds'])}",
              f"- load average at start / end: {report['load'].get('start')} / {report['load'].get('end')}", "",
              "95% intervals: Wilson for rates, bootstrap over episodes for NLLs. `frozen` rows are ablations "
              "(the TTT model with its updates off), not baselines.", "",
              "| model | train policy | mode | worlds (128) | worlds (32) | readbacks exact | memory-check EM | recovery NLL "
-             "| action NLL | worlds, training pool (32) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| action NLL | worlds, training pool (32) | copy check (full context) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         lines.append("| " + " | ".join([
             r["model"], r["train_policy"], r["mode"] + (" (ablation)" if r["ablation"] else ""),
@@ -329,7 +358,8 @@ def markdown(report: dict) -> str:
             _fmt(r["memory_action_em"], r["memory_action_em_lo"], r["memory_action_em_hi"], True),
             _fmt(r["recovery_nll"], r["recovery_nll_lo"], r["recovery_nll_hi"]),
             _fmt(r["action_nll"], r["action_nll_lo"], r["action_nll_hi"]),
-            _fmt(r["worlds_train_pool_32"], r["worlds_train_pool_32_lo"], r["worlds_train_pool_32_hi"], True)]) + " |")
+            _fmt(r["worlds_train_pool_32"], r["worlds_train_pool_32_lo"], r["worlds_train_pool_32_hi"], True),
+            _fmt(r["copy_check"], r["copy_check_lo"], r["copy_check_hi"], True)]) + " |")
     if report.get("targets"):
         lines += ["", "Targets (issue 19; measured on the test split, never relaxed):", "",
                   "| target | threshold | measured | met |", "|---|---|---|---|"]

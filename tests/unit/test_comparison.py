@@ -73,3 +73,68 @@ def test_recovery_target_needs_the_whole_interval_below_zero():
     assert not t["ttt_full_vs_sft_full_recovery_nll"]["met"]
     a = t["ttt_full_vs_sft_full_action_nll"]
     assert a["met"] and a["value"] == pytest.approx(-0.02) and a["interval"] == pytest.approx([-0.03, -0.01])
+
+
+def _tiny_ttt(context_policy: str):
+    import torch
+
+    from ds_ttt.config import TTTConfig
+    from ds_ttt.model.presets import tiny_qwen3_config
+    from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_qwen3_config(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8)
+    return TTTQwen3ForCausalLM(cfg, TTTConfig(adaptive_layers=1, context_policy=context_policy)).eval()
+
+
+@pytest.fixture(scope="module")
+def two_worlds():
+    from ds_ttt.data.generator import generate_memory_world
+    from ds_ttt.data.render import render_trajectory
+    from ds_ttt.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    worlds = [generate_memory_world(MEMORY_SPLITS["dev"] + i, num_distractors=1) for i in range(2)]
+    return tok, worlds, [render_trajectory(w, tok) for w in worlds]
+
+
+def test_copy_check_scores_a_current_round_model_with_full_context_and_restores_its_policy(two_worlds):
+    from ds_ttt.evaluation.runner import evaluate_trajectory
+
+    tok, _, rendered = two_worlds
+    model, twin = _tiny_ttt("current_round"), _tiny_ttt("full")
+    twin.load_state_dict(model.state_dict())
+    for mode in ("ttt", "frozen"):
+        got = comparison._score_full_context(model, tok, rendered, mode, progress=False)
+        want = [evaluate_trajectory(twin, r, mode, tokenizer=tok)[0] for r in rendered]
+        own = [evaluate_trajectory(model, r, mode, tokenizer=tok)[0] for r in rendered]
+        nll = lambda rows: [[m.obs_nll_sum for m in w] for w in rows]  # noqa: E731
+        assert nll(got) == nll(want)  # exactly the model built with full context
+        assert nll(got) != nll(own)  # and not what its own policy (current round) sees
+        assert model.ttt.context_policy == "current_round" and model.policy.kind == "current_round"
+
+
+@pytest.mark.parametrize("policy", ["current_round", "full"])
+def test_every_mode_gets_a_copy_check_over_the_worlds_readbacks(two_worlds, policy, monkeypatch):
+    from ds_ttt.evaluation.metrics import RoundMetrics
+
+    tok, worlds, _ = two_worlds
+    full_calls = []
+
+    def all_readbacks_exact(model, tokenizer, rendered, run_mode, *, progress):
+        full_calls.append(run_mode)
+        return [[RoundMetrics(round=rb["round"], obs_exact=True) for rb in w["meta"]["readbacks"]] for w in worlds]
+
+    monkeypatch.setattr(comparison, "_score_full_context", all_readbacks_exact)
+    monkeypatch.setattr(comparison, "summarize_mode", lambda per_set, sets: {})
+    sets = {"memory_worlds": worlds, "memory_worlds_train_pool": [], "memory_episodes": [], "recovery_episodes": []}
+    out = comparison.score_model(_tiny_ttt(policy), tok, sets, progress=False)
+    num = sum(len(w["meta"]["readbacks"]) for w in worlds)
+    assert set(out) == {"ttt", "frozen"}
+    if policy == "current_round":  # scored again with full context: the patched scorer's readbacks
+        assert full_calls == ["ttt", "frozen"]
+        assert [out[m]["copy_check_count"] for m in out] == [[num, num]] * 2
+    else:  # a full-context model's own readbacks are the copy check (a random tiny model copies nothing)
+        assert full_calls == []
+        assert [out[m]["copy_check_count"] for m in out] == [[0, num]] * 2

@@ -261,7 +261,7 @@ def notes(res: dict) -> list[str]:
         f"Plain windows: 13 tokens pass {cell('window 13', 'overwrite', 'heldout')} held-out (the `sed` and JSON readback "
         "commands end in the file's path, which then sits inside the window, as does the write's `tee vault/<name>.key`) "
         f"but {cell('window 13', 'overwrite', 'train_pool')} of the training pool (`grep`, ini). Longer windows reach "
-        f"the command's verb and stop matching the write: 16 tokens {cell('window 16', 'overwrite', 'heldout')} and "
+        f"further into the command, whose start differs between the write and the readback: 16 tokens {cell('window 16', 'overwrite', 'heldout')} and "
         f"{cell('window 16', 'overwrite', 'train_pool')}, 32 tokens {cell('window 32', 'overwrite', 'heldout')} and "
         f"{cell('window 32', 'overwrite', 'train_pool')}. Shorter ones (8, 9 = the largest allowed shift + 1) see only "
         "the response header and behave like today's key.",
@@ -294,7 +294,7 @@ def write_md(res: dict, path: pathlib.Path) -> None:
         "", "## Key designs", ""] + [f"- {d['name']}: {d['key']}" for d in res["designs"] if d["write_rule"] == "overwrite"] + [
         "", "## How it is simulated", "",
         "An ideal memory (a dict key -> next token) reads a round's observation tokens with the memory of the "
-        "earlier rounds, then writes every observation label of the round at its key (later writes overwrite). "
+        "earlier rounds, then writes every observation label of the round at its key (by the write rule below). "
         "The key of the label at position p is built from the tokens before p (the model predicts p at p-1, whose "
         "shifted prime input covers positions p-1-S..p-1), and stops at the start of the round like the model's "
         "shift under the `current_round` policy. A readback is exact when every observation token of its round is "

@@ -57,7 +57,11 @@ The whole episode (every process of the sandbox, whatever it forks) is also a cg
 (`cgroup_caps.py`: v2, v1 or a systemd scope), made with the sandbox and removed at close: at most
 `max_episode_memory_bytes` of memory (tmpfs files included, no swap beyond it), `max_episode_processes`
 tasks and `max_episode_cpus` cores of CPU time. When the kernel kills a process at the memory cap
-during a command, the command is stopped as at a timeout and the result says so (`memory_limit_hit`).
+during a command, the command is stopped as at a timeout and the result says so (`memory_limit_hit`,
+exit code 137). The host sees the kill by polling the cgroup's OOM count every OOM_POLL_SEC, so a
+command line that goes on for less than that after the kill (`hog; echo done`) may finish first: the
+result then keeps the line's own exit code and output, and still says that one of its processes was
+killed at the cap.
 Where no cgroup can be made the sandbox refuses; `cgroup_caps="none"` is the explicit opt-out, and
 `self.cgroup_caps` records what was used (both isolations get the cgroup).
 """
@@ -164,7 +168,7 @@ class CommandResult:
     stderr: str = ""  # only for run_fresh (Harbor's exec); run() merges stderr into output
     raw: bytes = b""  # the output's bytes (for binary transfers)
     process_limit_hit: bool = False  # the command left the sandbox at its process limit: its processes were killed
-    memory_limit_hit: bool = False  # the kernel killed a process at the episode's memory cap during the command: all of its processes were killed
+    memory_limit_hit: bool = False  # the kernel killed a process at the episode's memory cap during the command: the command was stopped (exit code 137), unless its line finished before the host saw the kill
     memory_limit_earlier: bool = False  # ... since the previous command (a background job was killed there)
     memory_limit_bytes: int = 0  # the episode's memory cap (for the note), 0 without a cgroup
 
@@ -942,8 +946,11 @@ def format_observation(result: CommandResult, max_chars: int = 2000) -> str:
     if result.memory_limit_earlier:
         notes.append(f"[a background process was killed: the sandbox reached its memory limit of "
                      f"{result.memory_limit_bytes >> 20} MiB after the previous command]")
-    if result.memory_limit_hit:
+    if result.memory_limit_hit and result.exit_code == 137:
         notes.append(f"[command killed: the sandbox reached its memory limit of {result.memory_limit_bytes >> 20} MiB]")
+    elif result.memory_limit_hit:  # the command line ended before the host saw the kill (see the module docstring)
+        notes.append(f"[a process of this command was killed: the sandbox reached its memory limit of "
+                     f"{result.memory_limit_bytes >> 20} MiB]")
     if result.files_lost:
         notes.append("[the sandbox was restarted: its files are lost; the working directory, variables and "
                      "background jobs are reset]")

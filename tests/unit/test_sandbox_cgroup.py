@@ -89,13 +89,31 @@ def test_caps_are_set_and_every_process_is_inside_before_the_first_command(isola
 def test_a_command_at_the_memory_cap_is_killed_and_noted_and_the_shell_lives_on():
     with Sandbox(parent="/tmp", timeout=20, **SMALL) as sb:
         sb.run("cd /tmp && export KEEP=1 && echo kept > file")
-        res = sb.run(f"echo before; {HOG}; echo after")
+        # `sleep 10` after the hog: the host polls for the kill every OOM_POLL_SEC, so the line must outlast that
+        # for the stop to be certain (test_a_line_that_ends_before_the_kill_is_seen... covers the race)
+        res = sb.run(f"echo before; {HOG}; sleep 10; echo after")
         assert res.memory_limit_hit and res.exit_code == 137 and not res.shell_restarted, res
         assert res.output == "before\n"  # the rest of the command line was abandoned, as at a timeout
         obs = format_observation(res)
         assert obs.endswith("[exit code: 137]\n[command killed: the sandbox reached its memory limit of 256 MiB]"), obs
         again = sb.run("echo $KEEP; pwd; cat file")  # the same shell: variables, directory, files
         assert (again.output, again.memory_limit_hit) == ("1\n/tmp\nkept\n", False), again
+
+
+@needs_cgroups
+def test_a_line_that_ends_before_the_kill_is_seen_still_reports_the_kill():
+    """`hog; echo after` can finish within one OOM poll of the kill (it did in CI at load 50): either the stop
+    came in time (137, nothing after) or the line's own status and output stand; the kill is reported both ways."""
+    with Sandbox(parent="/tmp", timeout=20, **SMALL) as sb:
+        res = sb.run(f"{HOG}; echo after")
+        assert res.memory_limit_hit and not res.shell_restarted, res
+        obs = format_observation(res)
+        if res.exit_code == 137:
+            assert res.output == "" and obs.endswith("[command killed: the sandbox reached its memory limit of 256 MiB]")
+        else:
+            assert (res.exit_code, res.output) == (0, "after\n"), res
+            assert obs == "after\n[a process of this command was killed: the sandbox reached its memory limit of 256 MiB]"
+        assert sb.run("echo alive").output == "alive\n"
 
 
 @needs_cgroups
@@ -223,6 +241,9 @@ def test_memory_notes_in_the_observation():
     hit = CommandResult("x", "partial\n", 137, memory_limit_hit=True, memory_limit_bytes=256 << 20)
     assert format_observation(hit) == ("partial\n[exit code: 137]\n"
                                        "[command killed: the sandbox reached its memory limit of 256 MiB]")
+    ended_first = CommandResult("x", "after\n", 0, memory_limit_hit=True, memory_limit_bytes=256 << 20)
+    assert format_observation(ended_first) == ("after\n[a process of this command was killed: the sandbox reached "
+                                               "its memory limit of 256 MiB]")
     earlier = CommandResult("x", "ok\n", 0, memory_limit_earlier=True, memory_limit_bytes=4 << 30)
     assert format_observation(earlier) == ("ok\n[a background process was killed: the sandbox reached its memory "
                                            "limit of 4096 MiB after the previous command]")

@@ -271,7 +271,8 @@ def test_concurrent_sessions_are_isolated_serialized_and_evicted(server, agent):
     sid, n0 = ttt["session_id"], len(store.get(ttt["session_id"]).session.input_ids)
     reply = store.get(sid).session.messages[-1]
     body = {"model": "export", "tools": TOOLS, "max_tokens": 48, "session_id": sid,
-            "messages": msgs + [{"role": "assistant", "content": None, "tool_calls": reply["tool_calls"]},
+            # the reply sent back as the server gave it (its content too: the tiny model may emit a stray '</think>')
+            "messages": msgs + [{"role": "assistant", "content": reply["content"], "tool_calls": reply["tool_calls"]},
                                 {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "again"}]}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         both = list(pool.map(lambda _: httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600), range(2)))

@@ -686,6 +686,10 @@ class Sandbox:
             self._reap_notices(bytearray(), bytearray())
         before = set(_tree(self._proc.pid))
         oom_before = self._oom_kills()  # above _oom_seen: a background job was killed at the memory cap meanwhile
+        if oom_before > self._oom_seen:
+            # have the shell take note of that job now, so bash's "Killed ..." notice does not open this command's
+            # output (whether bash had already reaped it was a race); the result notes the kill instead
+            self._reap_notices(out, err)
         request = f"{kind}\0{payload}\0".encode()
         while request:  # the shell reads as we write; a long command needs more than one pipe buffer
             select.select([], [self._requests], [])

@@ -93,7 +93,10 @@ def test_a_command_at_the_memory_cap_is_killed_and_noted_and_the_shell_lives_on(
         # for the stop to be certain (test_a_line_that_ends_before_the_kill_is_seen... covers the race)
         res = sb.run(f"echo before; {HOG}; sleep 10; echo after")
         assert res.memory_limit_hit and res.exit_code == 137 and not res.shell_restarted, res
-        assert res.output == "before\n"  # the rest of the command line was abandoned, as at a timeout
+        # the rest of the command line was abandoned, as at a timeout (bash's notice of the killed hog may come
+        # before the stop: "bash: line 1: N Killed  python3 ...")
+        lines = res.output.splitlines()
+        assert lines[0] == "before" and all("Killed" in line for line in lines[1:]) and "after" not in res.output, res
         obs = format_observation(res)
         assert obs.endswith("[exit code: 137]\n[command killed: the sandbox reached its memory limit of 256 MiB]"), obs
         again = sb.run("echo $KEEP; pwd; cat file")  # the same shell: variables, directory, files
@@ -111,8 +114,9 @@ def test_a_line_that_ends_before_the_kill_is_seen_still_reports_the_kill():
         if res.exit_code == 137:
             assert res.output == "" and obs.endswith("[command killed: the sandbox reached its memory limit of 256 MiB]")
         else:
-            assert (res.exit_code, res.output) == (0, "after\n"), res
-            assert obs == "after\n[a process of this command was killed: the sandbox reached its memory limit of 256 MiB]"
+            # bash's own notice of the killed foreground process may come first ("bash: line 1: N Killed ...")
+            assert res.exit_code == 0 and res.output.endswith("after\n"), res
+            assert obs.endswith("after\n[a process of this command was killed: the sandbox reached its memory limit of 256 MiB]")
         assert sb.run("echo alive").output == "alive\n"
 
 
@@ -135,7 +139,10 @@ def test_a_background_job_killed_at_the_cap_is_noted_in_the_next_result():
         while sb._cgroup.oom_kills() == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         res = sb.run("echo next")
-        assert res.memory_limit_earlier and not res.memory_limit_hit and res.output.startswith("next\n"), res
+        assert res.memory_limit_earlier and not res.memory_limit_hit, res
+        # bash may already have written its own notice of the job ("bash: line 1: N Killed ( python3 ... )") before
+        # this command was sent; nothing else may come before the command's output
+        assert [line for line in res.output.splitlines() if "Killed" not in line] == ["next"], res
         assert "after the previous command]" in format_observation(res)
         assert not sb.run("true").memory_limit_earlier  # noted once
 

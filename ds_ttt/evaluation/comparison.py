@@ -138,23 +138,15 @@ def modes_for(model) -> tuple[str, ...]:
 
 def score_model(model, tokenizer, sets: dict[str, list[dict]], *, progress: bool = True) -> dict:
     """Per mode: the metrics above plus the per-episode units the paired comparison resamples."""
-    from tqdm import tqdm
-
     from ds_ttt.data.render import render_trajectory
-    from ds_ttt.evaluation.runner import evaluate_trajectory
 
     model.eval()
     rendered = {name: [render_trajectory(t, tokenizer) for t in trajs] for name, trajs in sets.items()}
     out = {}
     for mode in modes_for(model):
         run_mode = "ttt" if mode == "ttt" else "frozen"
-        per_set = {}
-        for name, trajs in rendered.items():
-            rows = []
-            for r in tqdm(trajs, desc=f"{mode} {name}", unit="traj", disable=not progress):
-                metrics, _ = evaluate_trajectory(model, r, run_mode, tokenizer=tokenizer)
-                rows.append(metrics)
-            per_set[name] = rows
+        per_set = {name: _score_trajectories(model, tokenizer, trajs, run_mode, desc=f"{mode} {name}", progress=progress)
+                   for name, trajs in rendered.items()}
         out[mode] = summarize_mode(per_set, sets)
         copy_rows = per_set["memory_worlds"]
         if model.ttt.context_policy != "full":
@@ -163,16 +155,24 @@ def score_model(model, tokenizer, sets: dict[str, list[dict]], *, progress: bool
     return out
 
 
-def _score_full_context(model, tokenizer, rendered: list, run_mode: str, *, progress: bool) -> list:
-    """Per-round metrics of `rendered` with the model's context policy switched to full for the call."""
+def _score_trajectories(model, tokenizer, rendered: list, run_mode: str, *, desc: str, progress: bool) -> list:
+    """Per-round metrics (evaluate_trajectory) of every rendered trajectory, with a progress bar."""
     from tqdm import tqdm
 
-    from ds_ttt.evaluation.runner import evaluate_trajectory, set_context_policy
+    from ds_ttt.evaluation.runner import evaluate_trajectory
+
+    return [evaluate_trajectory(model, r, run_mode, tokenizer=tokenizer)[0]
+            for r in tqdm(rendered, desc=desc, unit="traj", disable=not progress)]
+
+
+def _score_full_context(model, tokenizer, rendered: list, run_mode: str, *, progress: bool) -> list:
+    """_score_trajectories with the model's context policy switched to full for the call."""
+    from ds_ttt.evaluation.runner import set_context_policy
 
     trained = set_context_policy(model, "full")
     try:
-        return [evaluate_trajectory(model, r, run_mode, tokenizer=tokenizer)[0]
-                for r in tqdm(rendered, desc=f"{run_mode} copy check (full context)", unit="traj", disable=not progress)]
+        return _score_trajectories(model, tokenizer, rendered, run_mode, desc=f"{run_mode} copy check (full context)",
+                                   progress=progress)
     finally:
         set_context_policy(model, trained)
 
@@ -203,20 +203,17 @@ def summarize_mode(per_set: dict[str, list], sets: dict[str, list[dict]]) -> dic
                  for name in ("memory_episodes", "recovery_episodes") for ep in per_set[name]]
     res = {}
 
-    def rate(key, outcomes):
-        _add_rate(res, key, outcomes)
-
     def nll(key, units):
         num, den = [u[0] for u in units], [u[1] for u in units]
         lo, hi = bootstrap_ratio_interval(num, den)
         res.update({key: sum(num) / sum(den) if sum(den) else None, f"{key}_lo": lo, f"{key}_hi": hi,
                     f"{key}_tokens": int(sum(den))})
 
-    rate("worlds_128", passed)
-    rate("worlds_32", passed[:32])
-    rate("readbacks_exact", readbacks)
-    rate("worlds_train_pool_32", in_pool)
-    rate("memory_action_em", mem_em)
+    _add_rate(res, "worlds_128", passed)
+    _add_rate(res, "worlds_32", passed[:32])
+    _add_rate(res, "readbacks_exact", readbacks)
+    _add_rate(res, "worlds_train_pool_32", in_pool)
+    _add_rate(res, "memory_action_em", mem_em)
     nll("recovery_nll", rec_units)
     nll("action_nll", act_units)
     res["recovery_rounds"] = sum(1 for ep in per_set["recovery_episodes"] for m in ep if m.recovery)

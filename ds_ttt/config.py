@@ -56,7 +56,15 @@ class TTTConfig:
         x_t + sum_{j<=S} a_j * x_{t-j} with learned per-channel a_j (zero at init, so a fresh model
         computes exactly what key_shift=0 computes). Under `current_round` the history restarts at
         each round (no key sees an earlier round). 0 = off. See ds_ttt/model/fast_weights.py.
+    round_address: the memory key also carries an address pooled over the current round's tokens so far
+        (the command names what the observation is about): the prime MLP's input gains P a_t, a_t a
+        learned soft-capped softmax pool over the round's prime inputs, P zero at init (a fresh model
+        computes exactly what it computes without it). Needs `current_round` (the pool restarts with
+        each round). See ds_ttt/model/fast_weights.py.
     The levers on the write (what one inner step stores):
+    write_rate: a learned per-token write rate beta_t = 2 sigmoid(w . u_t + b) (DeltaNet's beta, LaCT's
+        learned lr) weighs each observation label of the inner loss; u_t is the first adaptive layer's
+        key, w and b zero at init (beta = 1: today's step bit for bit).
     inner_loss: "mean" (the observation loss averaged over its tokens) or "sum" (summed: every token
         of a long output writes as hard as a short output's tokens; the clip still bounds the step).
     inner_clip: "global" (one norm over every adaptive layer's matrices) or "per_matrix" (each
@@ -90,6 +98,8 @@ class TTTConfig:
     fast_matrices: str = "all"
     inner_steps: int = 1
     first_order: bool = False
+    round_address: bool = False
+    write_rate: bool = False
 
     def validate(self, num_hidden_layers: int | None = None) -> "TTTConfig":
         """Check every field; with `num_hidden_layers`, also the layer count. Returns self."""
@@ -131,8 +141,12 @@ class TTTConfig:
                 raise ValueError(f"ttt.{name} must be one of {choices}, got {getattr(self, name)!r}")
         if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or not 1 <= self.inner_steps <= MAX_INNER_STEPS:
             raise ValueError(f"ttt.inner_steps must be an int in 1..{MAX_INNER_STEPS}, got {self.inner_steps!r}")
-        if not isinstance(self.first_order, bool):
-            raise ValueError(f"ttt.first_order must be true or false, got {self.first_order!r}")
+        for name in ("first_order", "round_address", "write_rate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ttt.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.round_address and self.context_policy != "current_round":
+            raise ValueError(f"ttt.round_address pools over the current round, so it needs context_policy='current_round' "
+                             f"(got {self.context_policy!r}); set round_address to false or change the policy")
         return self
 
     def num_adaptive(self, num_hidden_layers: int) -> int:

@@ -45,7 +45,8 @@ def dynamic_evaluation_model(sft_model, *, inner: TTTConfig):
     if n < 1:
         raise ValueError("the TTT recipe given as `inner` has no adaptive layers: nothing to update")
     ttt = dataclasses.replace(sft_model.ttt, adaptive_layers=n, prime_intermediate_size=cfg.intermediate_size,
-                              key_shift=0, **{f: getattr(inner, f) for f in INNER_FIELDS})
+                              key_shift=0, round_address=False, write_rate=False,
+                              **{f: getattr(inner, f) for f in INNER_FIELDS})
     model = TTTQwen3ForCausalLM(cfg, ttt)
     missing, unexpected = model.load_state_dict(sft_model.state_dict(), strict=False)
     if unexpected or any(".prime_" not in k for k in missing):

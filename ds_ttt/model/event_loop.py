@@ -114,8 +114,9 @@ def attention_for_event(backend: str, span):
     return attend
 
 
-def uses_key_shift(layer: nn.Module) -> bool:
-    return getattr(layer, "is_adaptive", False) and layer.prime_mlp.key_shift is not None
+def uses_key_state(layer: nn.Module) -> bool:
+    """Does the layer's key read or write a KeyHistory (key shift, round address or write rate)?"""
+    return getattr(layer, "is_adaptive", False) and layer.prime_mlp.has_key_io
 
 
 def forward_event(layers: Sequence[nn.Module], caches: list[LayerCache], hidden_1TC: torch.Tensor,
@@ -123,13 +124,14 @@ def forward_event(layers: Sequence[nn.Module], caches: list[LayerCache], hidden_
                   fast_weights: FastWeights | None, key_prev: Sequence[torch.Tensor] = ()):
     """New tokens (positions start.., round `round_id`) through `layers` against their caches.
 
-    Returns (hidden, [(kept_cache, k_new, v_new) per layer], [key history out per key-shift layer]).
-    Layers with a prime MLP consume three fast-weight tensors each, in order; layers with a key shift
-    consume one entry of `key_prev` each ([1, S, C]: the inputs before this event), in order.
+    Returns (hidden, [(kept_cache, k_new, v_new) per layer], [key state out per key-state layer],
+    write rate [1, T] or None). Layers with a prime MLP consume three fast-weight tensors each, in
+    order; layers with a key state consume one entry of `key_prev` each ([1, S, C]: the state before
+    this event), in order.
     """
     it = iter(fast_weights or ())
     prev = iter(key_prev)
-    outs, key_last = [], []
+    outs, key_last, rate = [], [], None
     for layer, cache in zip(layers, caches):
         kept, span = policy.select(cache, start, round_id)
         inner = attention_for_event(backend, span)
@@ -137,12 +139,13 @@ def forward_event(layers: Sequence[nn.Module], caches: list[LayerCache], hidden_
         def attend(q, k, v, kept=kept, inner=inner):
             return inner(q, torch.cat([kept.k_1HSD, k], 2), torch.cat([kept.v_1HSD, v], 2))
         w = (next(it), next(it), next(it)) if getattr(layer, "is_adaptive", False) and fast_weights else None
-        history = KeyHistory(prev_BSC=next(prev)) if uses_key_shift(layer) else None
+        history = KeyHistory(prev_BSC=next(prev)) if uses_key_state(layer) else None
         hidden_1TC, (k, v) = layer(hidden_1TC, pos_emb, attend, w, history)
         outs.append((kept, k, v))
         if history is not None:
             key_last.append(history.last_BSC)
-    return hidden_1TC, outs, key_last
+            rate = history.write_rate_BT if history.write_rate_BT is not None else rate
+    return hidden_1TC, outs, key_last, rate
 
 
 def _nll(suffix: SuffixModules, hidden_1TC, label_idx, labels, in_graph=None):
@@ -243,7 +246,7 @@ class _Carried:
 
     weights: FastWeights
     caches: list[LayerCache] | None  # None before the first event (made to match its hidden states)
-    key_tails: list[torch.Tensor]  # the last `key_shift` prime-MLP inputs of each key-shift layer
+    key_tails: list[torch.Tensor]  # the key state of each key-state layer (shift rows, address rows)
 
 
 def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tensor, input_ids_BT: torch.Tensor,
@@ -270,8 +273,7 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
         plans = _plan_events(b, kinds_host_BT[b, :n], rounds_h, record=record, with_end=ttt.obs_loss_with_end)
         labels = input_ids_BT[b, 1:n]
         carried = _Carried(weights=w0, caches=None, key_tails=[
-            hidden_BTC.new_zeros(1, layer.prime_mlp.key_shift.shape[0], hidden_BTC.shape[-1])
-            for layer in suffix.layers if uses_key_shift(layer)])
+            layer.prime_mlp.empty_key_state(1, hidden_BTC) for layer in suffix.layers if uses_key_state(layer)])
         records = []
         for plan in plans:
             carried, rec = _run_event(loop, plan, carried, hidden_BTC[b:b + 1, plan.start:plan.end], labels,
@@ -311,21 +313,25 @@ def _run_event(loop: _Loop, plan: _EventPlan, carried: _Carried, h_event: torch.
 
     def score(h, ws, kvs, tails, in_graph=act_mask | obs_mask):
         cs = [LayerCache(kvs[2 * i], kvs[2 * i + 1], c.positions_S, c.rounds_S) for i, c in enumerate(kept)]
-        h_out, outs, key_last = forward_event(suffix.layers, cs, h, suffix.rotary_emb(h, positions), start,
-                                              round_id, policy, ttt.attention_backend, ws, tails)
+        h_out, outs, key_last, rate = forward_event(suffix.layers, cs, h, suffix.rotary_emb(h, positions), start,
+                                                    round_id, policy, ttt.attention_backend, ws, tails)
         nll, logits = _nll(suffix, h_out, local, tgt, in_graph=in_graph if loop.record else None)
-        return nll, logits, [t for _, k, v in outs for t in (k, v)], key_last
+        # the inner loss's weights: the observation labels, each at its write rate when the model has one
+        inner_w = obs_mask if rate is None else obs_mask * rate[0, local]
+        return nll, logits, [t for _, k, v in outs for t in (k, v)], key_last, inner_w
 
     def step(h, *flat, nw=len(weights), nkv=2 * len(kept)):
         ws, kvs, tails = tuple(flat[:nw]), flat[nw:nw + nkv], flat[nw + nkv:]
-        nll, logits, new_kv, key_last = score(h, ws, kvs, tails)
+        nll, logits, new_kv, key_last, inner_w = score(h, ws, kvs, tails)
         act_sum, obs_sum = (nll * act_mask).sum(), (nll * obs_mask).sum()
         new_ws, skipped = ws, loop.no_skip
         if do_update:
-            res = inner_update(obs_sum, plan.num_obs, ws, ttt, create_graph=create_graph)
+            inner_sum = obs_sum if inner_w is obs_mask else (nll * inner_w).sum()
+            res = inner_update(inner_sum, plan.num_obs, ws, ttt, create_graph=create_graph)
             skip_any = res.skipped
             for _ in range(1, ttt.inner_steps):  # further steps re-score the observation with W'
-                res = inner_update((score(h, res.weights, kvs, tails)[0] * obs_mask).sum(), plan.num_obs,
+                again = score(h, res.weights, kvs, tails)
+                res = inner_update((again[0] * again[4]).sum(), plan.num_obs,
                                    res.weights, ttt, create_graph=create_graph)
                 skip_any = skip_any | res.skipped
             new_ws, skipped = res.weights, skip_any.to(torch.int64)

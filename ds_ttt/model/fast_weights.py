@@ -34,10 +34,35 @@ of the sequence (zeros). Chunked execution (training events, serving decode) car
 inputs of each adaptive layer between chunks in a `KeyHistory`; chunked and whole-sequence
 execution give the same u.
 
+Round address (`TTTConfig.round_address`). A value's first token follows `<tool_response>\n` in
+every round, so the shifted key of a value is the same in every round: every value of a world is
+written to one address. The command that produced the observation names what it is about (the
+file, the key), and the `current_round` policy lets the key see it, because the command is part of
+the round. So the key gains a term pooled over the round's tokens so far:
+    s_t = c * tanh(q . x_t / c)                                   (c = ADDRESS_SCORE_CAP)
+    a_t = sum_{j in round, j<=t} e^{s_j} x_j / sum_{j in round, j<=t} e^{s_j}
+    u_t = (shifted) x_t + P a_t
+with the learned query q in R^C (zero at init: a mean pool) and the projection P in R^{C x C}
+(zero at init, so a fresh model computes exactly what it computes without the address). The
+learned score lets the pool pick out the tokens that name the thing (a file's name) and ignore the
+verbs, flags and template every round shares. The soft cap bounds e^{s} to [e^-c, e^c], so the sums
+are accumulated in fp32 without a running maximum. The pool restarts at every round (the address
+is the current round's) and needs the round boundaries, so it requires `current_round` (where the
+key shift's history restarts at the same place). Chunked execution carries (sum e^s x, sum e^s) of
+the open round in two more rows of the key state (`KeyHistory`, in fp32), after the S shift rows.
+
+Write rate (`TTTConfig.write_rate`, like DeltaNet's beta or LaCT's learned lr). The inner loss weighs
+each observation label by beta_t = 2 sigmoid(w . u_t + b), u_t the key of the first adaptive layer at
+the position that predicts it (w, b zero at init: beta = 1, today's step bit for bit). In the first
+adaptive layer the key does not depend on the fast weights, so beta is a slow-weight function of
+the context only; the inner gradient does not flow through it. Only the inner loss is weighted (the
+outer observation term is not).
+
 Per-row fast weights (serving many sessions in one batch): a fast weight of shape [B, F, D] applies
 its row b to batch row b (`linear`); [F, D] applies to every row.
 
-Shape letters: B batch, T tokens, D (= C) hidden, F prime width, S key-shift width.
+Shape letters: B batch, T tokens, D (= C) hidden, F prime width, S key-state width (shift rows + 2
+address rows).
 """
 
 from __future__ import annotations
@@ -49,6 +74,8 @@ import torch.nn.functional as F
 from torch import nn
 
 FastWeights = tuple[torch.Tensor, ...]  # flat (gate_FD, up_FD, down_DF) per adaptive layer, in layer order
+ADDRESS_SCORE_CAP = 8.0  # the round address's soft cap on its pool scores (see the module docstring)
+ADDRESS_ROWS = 2  # key-state rows of the round address: sum e^s x, then sum e^s (in every channel)
 
 
 def fast_weight_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -98,17 +125,20 @@ def split_linear(x: torch.Tensor, w0: torch.Tensor, w: torch.Tensor) -> torch.Te
 
 @dataclass
 class KeyHistory:
-    """The key-shift state of one adaptive layer for one chunk of tokens (see the module docstring).
+    """The key state of one adaptive layer for one chunk of tokens (see the module docstring).
 
-    prev_BSC: in, the S prime-MLP inputs right before the chunk, oldest first (None = zeros: a fresh
-        sequence or segment). segments_BT: in, a segment id per token of the chunk (history stops
-        where it changes; None = one segment, continuing prev). last_BSC: out, set by the layer: the
-        last S inputs of the chunk's segment (zeros before its start), the next chunk's prev_BSC.
+    prev_BSC: in, the state before the chunk (None = zeros: a fresh sequence or segment): the S
+        prime-MLP inputs right before it, oldest first, then with the round address its 2 pool rows.
+    segments_BT: in, a segment id per token of the chunk (history stops where it changes; None = one
+        segment, continuing prev). last_BSC: out, set by the layer: the state after the chunk's last
+        token (the next chunk's prev_BSC). write_rate_BT: out, set by a layer with a write rate: beta
+        per token of the chunk (fp32).
     """
 
     prev_BSC: torch.Tensor | None = None
     segments_BT: torch.Tensor | None = None
     last_BSC: torch.Tensor | None = None
+    write_rate_BT: torch.Tensor | None = None
 
 
 def shift_keys(x_BTC: torch.Tensor, shift_SC: torch.Tensor, history: KeyHistory | None) -> torch.Tensor:
@@ -138,26 +168,119 @@ def shift_keys(x_BTC: torch.Tensor, shift_SC: torch.Tensor, history: KeyHistory 
     return u
 
 
+def round_address(x_BTC: torch.Tensor, query_C: torch.Tensor, prev_B2C: torch.Tensor | None,
+                  segments_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round address's pool a_t (module docstring) in fp32 at least, and the state after the last
+    token, [B, 2, C]: (sum e^s x, sum e^s) of its segment. `prev_B2C` continues the first token's
+    segment (None = zeros); with `segments_BT`, every later segment starts from zero."""
+    acc = fast_weight_dtype(x_BTC.dtype)
+    b, t, c = x_BTC.shape
+    xs = x_BTC.to(acc)
+    score = ADDRESS_SCORE_CAP * torch.tanh(xs @ query_C.to(acc) / ADDRESS_SCORE_CAP)  # [B, T]
+    e = torch.exp(score)
+    if segments_BT is None:
+        num, den = torch.cumsum(e.unsqueeze(-1) * xs, 1), torch.cumsum(e, 1)
+        first = None
+    else:  # segment-local prefix sums: a difference of prefix sums, taken in fp64 so no precision is lost
+        wide = torch.promote_types(acc, torch.float64)
+        cn = F.pad(torch.cumsum((e.unsqueeze(-1) * xs).to(wide), 1), (0, 0, 1, 0))  # [B, T+1, C], row 0 = 0
+        cd = F.pad(torch.cumsum(e.to(wide), 1), (1, 0))
+        starts = torch.zeros_like(segments_BT, dtype=torch.long)
+        idx = torch.arange(1, t, device=x_BTC.device).expand(b, t - 1)
+        starts[:, 1:] = torch.where(segments_BT[:, 1:] != segments_BT[:, :-1], idx, 0)
+        starts = torch.cummax(starts, 1).values  # each token's segment start
+        num = (cn[:, 1:] - cn.gather(1, starts.unsqueeze(-1).expand(b, t, c))).to(acc)
+        den = (cd[:, 1:] - cd.gather(1, starts)).to(acc)
+        first = starts == 0  # the tokens that continue prev's segment
+    if prev_B2C is not None:
+        prev = prev_B2C.to(acc)
+        keep = torch.ones_like(den) if first is None else first.to(acc)
+        num = num + keep.unsqueeze(-1) * prev[:, :1]
+        den = den + keep * prev[:, 1, :1]
+    last = torch.stack([num[:, -1], den[:, -1:].expand(b, c)], 1)
+    return num / den.unsqueeze(-1), last
+
+
 class PrimeMLP(nn.Module):
-    """Holds the initial fast weights W_0 under Qwen3-style names (gate_proj/up_proj/down_proj).
+    """Holds the initial fast weights W_0 under Qwen3-style names (gate_proj/up_proj/down_proj), and the
+    slow weights of its key: the token shift, the round address and the write rate (all zero at init).
 
     down_proj starts at zero, so an untrained TTT model computes exactly what the base Qwen3 computes.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, key_shift: int = 0):
+    def __init__(self, hidden_size: int, intermediate_size: int, key_shift: int = 0, *,
+                 round_address: bool = False, write_rate: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        nn.init.zeros_(self.down_proj.weight)
         # the memory key's learned token shift (a slow weight; zero = no shift), HF name `...prime_mlp.key_shift`
         self.key_shift = nn.Parameter(torch.zeros(key_shift, hidden_size)) if key_shift > 0 else None
+        # the round address: `...prime_mlp.address_query` (q, [C]) and `...prime_mlp.address_proj` (P, [C, C]);
+        # plain zero Parameters, not nn.Linear: building them draws no random numbers, so every other
+        # weight of a seeded model is initialised as without them
+        self.address_query = nn.Parameter(torch.zeros(hidden_size)) if round_address else None
+        self.address_proj = nn.Parameter(torch.zeros(hidden_size, hidden_size)) if round_address else None
+        # the write rate beta = 2 sigmoid(w . u + b): `...prime_mlp.write_rate` (w, [C]) and
+        # `...prime_mlp.write_rate_bias` (b, [1]); first adaptive layer only
+        self.write_rate = nn.Parameter(torch.zeros(hidden_size)) if write_rate else None
+        self.write_rate_bias = nn.Parameter(torch.zeros(1)) if write_rate else None
+        self.zero_slow_weights()
+
+    @torch.no_grad()
+    def zero_slow_weights(self) -> None:
+        """The init that makes the layer compute exactly what the base model computes: the down
+        projection, the key shift, the address query/projection and the write rate at zero."""
+        self.down_proj.weight.zero_()
+        for p in (self.key_shift, self.address_query, self.address_proj, self.write_rate, self.write_rate_bias):
+            if p is not None:
+                p.zero_()
+
+    @property
+    def shift_width(self) -> int:
+        return 0 if self.key_shift is None else self.key_shift.shape[0]
+
+    @property
+    def key_state_width(self) -> int:
+        """Rows of the key state carried between chunks: the shift's S, plus the address's 2."""
+        return self.shift_width + (ADDRESS_ROWS if self.address_query is not None else 0)
+
+    @property
+    def has_key_io(self) -> bool:
+        """Does the key read or write a KeyHistory (a state to carry, or the write rate to report)?"""
+        return self.key_state_width > 0 or self.write_rate is not None
+
+    def empty_key_state(self, batch: int, like: torch.Tensor) -> torch.Tensor:
+        """Zeros of the key state: like's dtype for a shift alone (as before), fp32 at least with the
+        address (its pool sums)."""
+        dtype = fast_weight_dtype(like.dtype) if self.address_query is not None else like.dtype
+        return like.new_zeros(batch, self.key_state_width, like.shape[-1], dtype=dtype)
 
     def key(self, x_BTC: torch.Tensor, history: KeyHistory | None = None) -> torch.Tensor:
-        """The MLP's input with its key context (identity without a key shift)."""
-        if self.key_shift is None:
+        """The MLP's input with its key context (identity without a key shift or round address); sets
+        `history.last_BSC` (the state) and `history.write_rate_BT` when the layer has them."""
+        if not self.has_key_io:
             return x_BTC
-        return shift_keys(x_BTC, self.key_shift, history)
+        s = self.shift_width
+        prev = history.prev_BSC if history is not None else None
+        seg = history.segments_BT if history is not None else None
+        parts = []
+        u = x_BTC
+        if self.key_shift is not None:
+            shift_hist = KeyHistory(prev_BSC=None if prev is None else prev[:, :s], segments_BT=seg)
+            u = shift_keys(x_BTC, self.key_shift, shift_hist)
+            parts.append(shift_hist.last_BSC)
+        if self.address_query is not None:
+            pooled, last = round_address(x_BTC, self.address_query, None if prev is None else prev[:, s:], seg)
+            u = u + F.linear(pooled.to(x_BTC.dtype), self.address_proj)
+            parts = [p.to(last.dtype) for p in parts] + [last]
+        if history is not None:
+            history.last_BSC = torch.cat(parts, 1) if parts else x_BTC.new_zeros(x_BTC.shape[0], 0, x_BTC.shape[-1])
+            if self.write_rate is not None:
+                acc = fast_weight_dtype(u.dtype)
+                history.write_rate_BT = 2 * torch.sigmoid(
+                    F.linear(u.to(acc), self.write_rate.to(acc)[None], self.write_rate_bias.to(acc)).squeeze(-1))
+        return u
 
     def initial_weights(self) -> FastWeights:
         return (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)

@@ -2,8 +2,10 @@
 
 Parameter names are transformers' Qwen3 names (`model.layers.N.self_attn.q_proj.weight`, ...,
 `lm_head.weight`), so a Hugging Face checkpoint loads 1:1; the adaptive layers add
-`model.layers.N.prime_layernorm.weight`, `model.layers.N.prime_mlp.{gate,up,down}_proj.weight` and,
-with `ttt.key_shift`, `model.layers.N.prime_mlp.key_shift`.
+`model.layers.N.prime_layernorm.weight`, `model.layers.N.prime_mlp.{gate,up,down}_proj.weight`, with
+`ttt.key_shift` `model.layers.N.prime_mlp.key_shift`, with `ttt.round_address`
+`model.layers.N.prime_mlp.address_{query,proj}`, and with `ttt.write_rate` (first adaptive layer)
+`model.layers.N.prime_mlp.write_rate{,_bias}`.
 With `config.tie_word_embeddings` (Qwen3-0.6B to 4B) `lm_head.weight` IS `model.embed_tokens.weight`
 (one parameter under two names, as in transformers); the trainable scope of that parameter is the
 union of its names' scopes (`is_trainable`), so under 'suffix' and 'all' the tied embedding trains.
@@ -115,7 +117,7 @@ class TTTDecoderLayer(nn.Module):
     """A Qwen3 decoder layer; with `prime_intermediate_size` it also carries a prime MLP."""
 
     def __init__(self, config: Qwen3Config, layer_idx: int, prime_intermediate_size: int | None = None,
-                 key_shift: int = 0):
+                 key_shift: int = 0, *, round_address: bool = False, write_rate: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = TTTAttention(config, layer_idx)
@@ -125,7 +127,15 @@ class TTTDecoderLayer(nn.Module):
         self.is_adaptive = prime_intermediate_size is not None
         if self.is_adaptive:
             self.prime_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.prime_mlp = PrimeMLP(config.hidden_size, prime_intermediate_size, key_shift)
+            self.prime_mlp = PrimeMLP(config.hidden_size, prime_intermediate_size, key_shift,
+                                      round_address=round_address, write_rate=write_rate)
+
+    @classmethod
+    def adaptive(cls, config: Qwen3Config, ttt: TTTConfig, layer_idx: int, first_adaptive: int) -> "TTTDecoderLayer":
+        """Adaptive layer `layer_idx` as `ttt` configures it (the one place the model and the pipeline's
+        last stage build them): its prime MLP, key shift and round address; the write rate on the first."""
+        return cls(config, layer_idx, ttt.prime_intermediate_size or config.intermediate_size, ttt.key_shift,
+                   round_address=ttt.round_address, write_rate=ttt.write_rate and layer_idx == first_adaptive)
 
     def forward(self, hidden_BTC, position_embeddings, attend: Attend, prime_weights: FastWeights | None = None,
                 key_history: KeyHistory | None = None):
@@ -143,8 +153,8 @@ class TTTDecoderLayer(nn.Module):
 @torch.no_grad()
 def reset_qwen3_parameters(module: nn.Module, std: float, prime_init_std: float | None = None) -> None:
     """HF-style init of any part of the model (the whole model or one pipeline layer): normal(0, std)
-    linears/embeddings, ones for norms; every prime MLP's down projection zero (so an untrained TTT
-    model is the base Qwen3), its gate/up normal(0, prime_init_std) when that is set."""
+    linears/embeddings, ones for norms; every prime MLP's down projection and key slow weights zero
+    (so an untrained TTT model is the base Qwen3), its gate/up normal(0, prime_init_std) when set."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             m.weight.normal_(0.0, std)
@@ -155,7 +165,7 @@ def reset_qwen3_parameters(module: nn.Module, std: float, prime_init_std: float 
             if prime_init_std is not None:
                 m.gate_proj.weight.normal_(0.0, prime_init_std)
                 m.up_proj.weight.normal_(0.0, prime_init_std)
-            m.down_proj.weight.zero_()
+            m.zero_slow_weights()
 
 
 def run_decoder_layers(layers, hidden_BTC: torch.Tensor, rounds_BT: torch.Tensor | None, *,
@@ -204,10 +214,9 @@ class TTTQwen3Model(nn.Module):
         super().__init__()
         num_adaptive = ttt.num_adaptive(config.num_hidden_layers)
         first_adaptive = config.num_hidden_layers - num_adaptive
-        prime_width = ttt.prime_intermediate_size or config.intermediate_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            TTTDecoderLayer(config, i, prime_width if i >= first_adaptive else None, ttt.key_shift)
+            TTTDecoderLayer.adaptive(config, ttt, i, first_adaptive) if i >= first_adaptive else TTTDecoderLayer(config, i)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)

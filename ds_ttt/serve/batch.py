@@ -15,8 +15,8 @@ forward serves them all, on the model's own modules (no copy of the model):
     row (the Punica / S-LoRA layout); for an fp32 model the product is per row (a batched matmul);
   * attention is per row: row b writes its key/value at its slot in its own cache and attends to its
     own visible slice (lengths differ; each slice is read in place, nothing is padded or copied);
-  * the key shift (ttt.key_shift) reads each row's history from its cache and writes it back, as the
-    unbatched `_forward` does, so it carries across decode steps exactly.
+  * the key state (ttt.key_shift's history, ttt.round_address's running pool) is read per row from
+    its cache and written back, as the unbatched `_forward` does, so it carries across decode steps.
 Nothing here touches the inner update: observations (with their gradient step) stay per session,
 run by the scheduler between decode steps. A stack is kept while the rows keep the same matrix
 (W does not change during a reply), so a steady batch stacks each matrix once.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds_ttt.model.event_loop import uses_key_shift
+from ds_ttt.model.event_loop import uses_key_state
 from ds_ttt.model.fast_weights import KeyHistory
 
 
@@ -76,7 +76,7 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
     pos_emb = m.model.rotary_emb(h, positions)
     has_weights = all(len(d.w) for d in decodes)
     stacked = iter((stacks or WeightStacks()).of(decodes) if has_weights else ())
-    shift_layers = [layer for layer in m.model.layers if uses_key_shift(layer)]
+    shift_layers = [layer for layer in m.model.layers if uses_key_state(layer)]
     prev_rows = []  # per row: its key-shift history per shift layer (None: a new segment, zeros)
     if shift_layers:
         policy = m.policy
@@ -95,9 +95,9 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
             return torch.cat(outs, 0)
         w = (next(stacked), next(stacked), next(stacked)) if layer.is_adaptive and has_weights else None
         history = None
-        if uses_key_shift(layer):
-            width, c = layer.prime_mlp.key_shift.shape
-            prev = torch.cat([p[k_shift] if p is not None else h.new_zeros(1, width, c) for p in prev_rows], 0)
+        if uses_key_state(layer):
+            prev = torch.cat([p[k_shift] if p is not None else layer.prime_mlp.empty_key_state(1, h)
+                              for p in prev_rows], 0)
             history = KeyHistory(prev_BSC=prev)
         h, _ = layer(h, pos_emb, attend, w, history)
         if history is not None:

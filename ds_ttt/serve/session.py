@@ -51,7 +51,7 @@ from ds_ttt.data.render import (
     parse_assistant_message, render_action, render_action_end, render_generation_prompt, render_message,
     render_trajectory)
 from ds_ttt.data.token_kind import TokenKind
-from ds_ttt.model.event_loop import observation_labels, uses_key_shift
+from ds_ttt.model.event_loop import observation_labels, uses_key_state
 from ds_ttt.model.fast_weights import KeyHistory, fast_weight_dtype, inner_update
 from ds_ttt.ops.flashbob import attention
 from ds_ttt.ops.flashbob.reference import visibility_mask
@@ -266,7 +266,7 @@ class AgentSession:
         return max(0, slot - policy.window + 1) if policy.kind == "window" else 0
 
     def _forward(self, chunk_ids: list[int], start: int, slot: int, cache: KVCache, weights, want: list[int], *,
-                 keep_graph: bool = False):
+                 keep_graph: bool = False, write_rates: list | None = None):
         """Run new tokens (positions start.., cache slots slot..) through every layer.
 
         Default: the new keys/values are written into `cache` at their slots and attention reads the
@@ -275,7 +275,8 @@ class AgentSession:
         them) and the new keys/values are returned for the caller to commit.
         Returns (float logits [len(want), V] at chunk indices `want`, [(k, v) per layer] or None).
         The key shift's history (kv_cache.py) is read from the cache; a default run stores the chunk's
-        as `cache.key_tail`, a keep_graph run returns it through `cache.key_pending` for the caller."""
+        as `cache.key_tail`, a keep_graph run returns it through `cache.key_pending` for the caller.
+        With `write_rates` (a list) and a model with a write rate, the rate at `want` is appended to it."""
         if start + len(chunk_ids) > self.max_context:
             raise ContextFullError(start + len(chunk_ids), self.max_context)
         m, dev = self.model, self.agent.device
@@ -302,7 +303,7 @@ class AgentSession:
         it = iter(weights or ())
         new_round = slot == 0 or (m.policy.kind == "current_round" and self._s is not None
                                   and slot == self._s.prompt_slots)
-        shifts = [layer for layer in m.model.layers if uses_key_shift(layer)]
+        shifts = [layer for layer in m.model.layers if uses_key_state(layer)]
         key_prev = iter([None] * len(shifts) if new_round or not shifts else cache.key_history_at(slot))
         key_last = []
         for i, layer in enumerate(m.model.layers):
@@ -320,10 +321,12 @@ class AgentSession:
                 return attention(q, k_all, v_all, causal=True, window=window, q_offset=slot - lo, k_offset=0,
                                  backend=backend)
             w = (next(it), next(it), next(it)) if layer.is_adaptive and weights else None
-            history = KeyHistory(prev_BSC=next(key_prev)) if uses_key_shift(layer) else None
+            history = KeyHistory(prev_BSC=next(key_prev)) if uses_key_state(layer) else None
             h, _ = layer(h, pos_emb, attend, w, history)
             if history is not None:
                 key_last.append(history.last_BSC)
+                if history.write_rate_BT is not None and write_rates is not None:
+                    write_rates.append(history.write_rate_BT[0, torch.tensor(want, dtype=torch.long, device=dev)])
         if keep_graph:
             cache.key_pending = (slot + n, [t.detach() for t in key_last])
         else:
@@ -546,19 +549,23 @@ class AgentSession:
         new_w, obs_nll, updated, skipped, after = s.weights, None, False, False, None
         with torch.enable_grad() if can_update else torch.no_grad():
             w = tuple(x.detach().requires_grad_(True) for x in s.weights) if can_update else s.weights
-            logits, new_kv = self._forward(round_ids, s.round_start, s.round_slot, s.cache, w, want, keep_graph=True)
+            rates: list = []  # the write rate at the observation labels (a model with one)
+            logits, new_kv = self._forward(round_ids, s.round_start, s.round_slot, s.cache, w, want, keep_graph=True,
+                                           write_rates=rates)
             key_tail = s.cache.key_pending  # the round's key history with W_{r-1}, as training carries it
             if want:
                 nll = F.cross_entropy(logits, labels, reduction="none")
                 obs_nll = float(nll.detach().mean())
             if can_update:  # the event loop's step (ds_ttt/model/event_loop.py), inner_steps included
-                res = inner_update(nll.sum(), len(want), w, ttt, create_graph=False)
+                res = inner_update(nll.sum() if not rates else (nll * rates[0]).sum(), len(want), w, ttt,
+                                   create_graph=False)
                 skipped = bool(res.skipped)
                 for _ in range(1, ttt.inner_steps):
                     again, _ = self._forward(round_ids, s.round_start, s.round_slot, s.cache, res.weights, want,
                                              keep_graph=True)
-                    res = inner_update(F.cross_entropy(again, labels, reduction="sum"), len(want), res.weights, ttt,
-                                       create_graph=False)
+                    again_nll = F.cross_entropy(again, labels, reduction="none")
+                    res = inner_update(again_nll.sum() if not rates else (again_nll * rates[0]).sum(), len(want),
+                                       res.weights, ttt, create_graph=False)
                     skipped = skipped or bool(res.skipped)
                 new_w = tuple(x.detach() for x in res.weights)  # a skipped step left W as it was
                 updated = not skipped

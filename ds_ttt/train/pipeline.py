@@ -140,9 +140,8 @@ class LastStagePipe(_PipeLayer):
 
     def __init__(self, config: Qwen3Config, ttt: TTTConfig, layout: Layout):
         super().__init__()
-        prime_width = ttt.prime_intermediate_size or config.intermediate_size
         self.ttt = ttt
-        self.layers = nn.ModuleList(TTTDecoderLayer(config, i, prime_width, ttt.key_shift)
+        self.layers = nn.ModuleList(TTTDecoderLayer.adaptive(config, ttt, i, layout.first_adaptive)
                                     for i in range(layout.first_adaptive, config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # tied: the embedding's Parameter, set by tie_lm_head once DeepSpeed has built the tied module

@@ -21,7 +21,8 @@ from ds_ttt.train.run_config import RunConfig
 from ds_ttt.train.run_record import RUN_CONFIG, RunInfo
 
 # Settings that change the model's structure or meaning: a resume or a new data stage must keep them.
-STRUCTURAL_TTT = ("adaptive_layers", "prime_intermediate_size", "trainable_scope", "key_shift")
+STRUCTURAL_TTT = ("adaptive_layers", "prime_intermediate_size", "trainable_scope", "key_shift", "round_address",
+                  "write_rate")
 # DeepSpeed settings that decide the data order (the batches, their split into micro-batches and ranks).
 DATA_ORDER_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                    "data_parallel_size")

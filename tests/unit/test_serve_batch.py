@@ -60,6 +60,30 @@ def shift_agent(agent):
     return AgentModel(model, agent.tokenizer)
 
 
+@pytest.fixture(scope="module")
+def address_agent(agent):
+    """The same model with a key shift, the round address and the write rate, all random (so the
+    address's running pool matters), under current_round."""
+    from ds_ttt.config import TTTConfig
+    from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+
+    torch.manual_seed(2)
+    ttt = TTTConfig(**{**TTT, "context_policy": "current_round", "window": 0}, key_shift=2, round_address=True,
+                    write_rate=True)
+    model = TTTQwen3ForCausalLM(agent.model.config, ttt)
+    missing, unexpected = model.load_state_dict(agent.model.state_dict(), strict=False)
+    assert not unexpected and all(k.split(".prime_mlp.")[-1] in ("key_shift", "address_query", "address_proj",
+                                                                 "write_rate", "write_rate_bias") for k in missing)
+    with torch.no_grad():
+        for layer in model.adaptive_layers:
+            p = layer.prime_mlp
+            for t, std in ((p.key_shift, 0.3), (p.address_query, 1.0), (p.address_proj, 0.2), (p.write_rate, 1.0)):
+                if t is not None:
+                    t.normal_(0, std)
+            p.down_proj.weight.normal_(0, 0.05)
+    return AgentModel(model, agent.tokenizer)
+
+
 def sessions(agent, outputs_per_session):
     """Sessions at different points: task i, then one observed tool result per output (own W each)."""
     out = []
@@ -73,7 +97,7 @@ def sessions(agent, outputs_per_session):
     return out
 
 
-@pytest.mark.parametrize("which", ["agent", "shift_agent"])
+@pytest.mark.parametrize("which", ["agent", "shift_agent", "address_agent"])
 def test_batched_forward_equals_each_sessions_own(which, request):
     ag = request.getfixturevalue(which)
     base = sessions(ag, [[], ["ok"], ["a longer output\nwith lines"], ["x", "y"]])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # TTT against the agent users would otherwise train: four models through the real trainer on the same
-# data, steps and seed, scored on held-out sets that can tell them apart (issue 19).
+# data, steps and seed, scored on held-out sets that can tell them apart (the fair comparison, docs/evaluation.md).
 #
 #   bash benchmarks/adaptation_baselines.sh [WORK_DIR]         # WORK_DIR defaults to runs/baselines
 #   SMOKE=1 bash benchmarks/adaptation_baselines.sh runs/smoke  # CI's minute-scale version (tiny everything)

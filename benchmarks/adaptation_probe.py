@@ -1,4 +1,5 @@
-"""Adaptation probe: a fast single-process meta-training sweep point for issue 7 (not the main job).
+"""Adaptation probe: a fast single-process meta-training sweep point of the adaptation experiments
+(not the main job).
 
     .venv/bin/python benchmarks/adaptation_probe.py --manifest DATA/manifest.json --minutes 14 \
         --hidden 128 --layers 4 --adaptive 2 --prime 256 --inner-lr 1.0 --inner-clip 5.0 \

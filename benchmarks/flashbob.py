@@ -1,9 +1,9 @@
 """Benchmark the FlashBoB second-order attention step against PyTorch math attention, with every
 timed result checked against the reference and every rate checked against this run's peak.
 
-    cd /work/main && OMP_NUM_THREADS=2 .venv/bin/python benchmarks/flashbob.py   # CPU table (~5 min)
-    .venv/bin/python benchmarks/flashbob.py --seqlens 1024 --configs 8/8          # quick look
-    .venv/bin/python benchmarks/flashbob.py --device cuda                         # on a GPU box
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/flashbob.py            # CPU table (~5 min)
+    .venv/bin/python benchmarks/flashbob.py --seqlens 1024 --configs 8/8   # quick look
+    .venv/bin/python benchmarks/flashbob.py --device cuda                  # on a GPU box
 
 One "step" is what the meta-gradient does with an attention layer: forward, first gradient with
 create_graph=True, then the gradient of Φ = Σ <U_X, dX> (X = Q, K, V) w.r.t. Q, K, V. Shapes:

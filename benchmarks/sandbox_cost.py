@@ -14,7 +14,7 @@ Measured in one process, interleaved so that load drifts hit both arms alike:
   cgroup_only   create_episode_cgroup + remove alone (what "start" adds, without the sandbox around it).
 
 For each: median, mean and p90 per arm, and the paired difference caps - none (median and mean) with a
-95 % bootstrap interval (2000 resamples of the pairs, seed 0). Targets (issue 32): <= 5 ms per command
+95 % bootstrap interval (2000 resamples of the pairs, seed 0). Targets (the sandbox's cgroup caps): <= 5 ms per command
 and <= 100 ms per episode start. It refuses while the lead measures (/tmp/ds_ttt_measuring) or when the
 1-minute load is >= 2.5 (unless --force, recorded), and records the load at the start and the end.
 Writes the JSON and a Markdown table beside it (same name, .md).

@@ -1,9 +1,9 @@
-"""Cost of the sandbox before and after issue 22, measured in one run: per command, and for 300 trajectories.
+"""Cost of the sandbox before and after bubblewrap, measured in one run: per command, and for 300 trajectories.
 
     nice -n 19 .venv/bin/python benchmarks/sandbox_isolation_cost.py [--commands 200] [--trajectories 300] \
         [--out benchmarks/results/sandbox_isolation_cost.json] [--force]
 
-(Named benchmarks/sandbox_cost.py until issue 32, whose cgroup cost that name now measures.)
+(Named benchmarks/sandbox_cost.py until the sandbox's cgroup caps, whose cost that name now measures.)
 
 "before" is the sandbox of commit 2e37d67 (a fresh `unshare` user/net/mount/PID namespace and a
 Python init per command), loaded from git into a temporary module; "after" is ds_ttt.data.sandbox

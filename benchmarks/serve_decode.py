@@ -1,7 +1,7 @@
 """Serving decode speed: AgentSession (preallocated KV cache) against transformers' `generate`, same weights.
 
-    cd /work/main && OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_decode.py        # ~3 min
-    .venv/bin/python benchmarks/serve_decode.py --new-tokens 64 --repeats 3               # quick look
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_decode.py           # ~3 min
+    .venv/bin/python benchmarks/serve_decode.py --new-tokens 64 --repeats 3 # quick look
 
 The model is the main job's kind: the `tiny-mem` preset (5 layers, hidden 128) with the main job's
 TTT settings (ds_configs/run_cpu_tiny.json: 2 adaptive layers, prime width 512) and a compact

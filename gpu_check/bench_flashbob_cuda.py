@@ -18,7 +18,7 @@ sequence length N per --sizes. Methods, each timed per N until it runs out of me
 Per (N, method): step time (median of CUDA-event timings after a warm-up; repeats sized to
 ~0.3 s), peak allocated memory during one step above what the inputs hold, and TFLOP/s under
 the FLOP model: per query head, forward 4·N²·D, first backward 10·N²·D (flash-attn's 2.5×
-convention), backward-over-backward 36·N²·D (../shared/design/flashbob_math.md), halved for
+convention), backward-over-backward 36·N²·D (docs/flashbob_math.md), halved for
 causal. Out-of-memory is recorded and that method skips larger N.
 
 Per-kernel times (`kernel_profile` in the JSON): at N = --profile-n (default 8K) the FlashBoB

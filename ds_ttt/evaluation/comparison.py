@@ -295,7 +295,7 @@ def compare_rows(models: list[dict], *, command: str, seeds: dict, load: dict) -
 
 
 def targets(report: dict) -> dict:
-    """The issue-19 targets that the rows present can decide (never relaxed; a missing row decides none):
+    """The fair comparison's targets that the rows present can decide (never relaxed; a missing row decides none):
     the current-round TTT model passes >= 50% of the 128 worlds with the interval's lower bound >= 40%
     and has memory-check EM >= 0.5 over >= 100 episodes' rounds; TTT full context is no worse than SFT
     full context on action NLL and better on recovery NLL, with a paired interval excluding zero."""
@@ -358,7 +358,7 @@ def markdown(report: dict) -> str:
             _fmt(r["worlds_train_pool_32"], r["worlds_train_pool_32_lo"], r["worlds_train_pool_32_hi"], True),
             _fmt(r["copy_check"], r["copy_check_lo"], r["copy_check_hi"], True)]) + " |")
     if report.get("targets"):
-        lines += ["", "Targets (issue 19; measured on the test split, never relaxed):", "",
+        lines += ["", "Targets of the fair comparison (measured on the test split, never relaxed):", "",
                   "| target | threshold | measured | met |", "|---|---|---|---|"]
         for name, t in report["targets"].items():
             val = t["value"]

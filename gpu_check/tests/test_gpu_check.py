@@ -825,7 +825,7 @@ def test_docs_table_is_the_one_generated_from_the_committed_log():
 
 
 def test_no_kernel_of_the_prebuilt_library_spills():
-    """Issue 20's review found stack frames in the BoB kernels at D = 128 on sm_80 (row pass 32 B,
+    """The GPU check's review found stack frames in the BoB kernels at D = 128 on sm_80 (row pass 32 B,
     column pass 24 B): local memory in the hottest loops. The committed log of the shipped objects
     must show none for any kernel compiled for real, on either architecture, with every tile set's
     shapes there (the sm90 set's 8-warp blocks on sm_90)."""

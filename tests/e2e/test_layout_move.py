@@ -8,7 +8,7 @@ Each baseline runs once, uninterrupted, in the old layout (3 steps, a checkpoint
 continues its step-1 checkpoint in the new layout for steps 2-3; its losses equal the baseline's within
 LOSS_RTOL, its learning rates exactly. Then the moved run is resumed once more in its own new layout
 from its step-2 checkpoint: step 3 equals the moved run's step 3 bit for bit. The source run is never
-modified (every file byte for byte). On the code before issue 30 every move is refused (--resume
+modified (every file byte for byte). On the code before the layout move every move is refused (--resume
 refused any change of layout), so every test here fails there.
 
 Tolerance. A move changes which rank and which accumulation slot computes each trajectory, never what

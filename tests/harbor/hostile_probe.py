@@ -7,7 +7,7 @@
 COMMANDS_JSON maps attack names to shell commands (tests/unit/hostile.py fills them in). Each attack
 gets a fresh environment (one trial) and runs once through `exec` (what Harbor and its agents call)
 and once through the persistent `shell`. ENV_MODULE_FILE loads `SandboxEnvironment` from another
-file (the test passes the environment of before issue 22, to show the suite catches its escape); the
+file (the test passes the environment of before the bubblewrap sandbox, to show the suite catches its escape); the
 old environment has no `shell`, so only `exec` runs there.
 """
 

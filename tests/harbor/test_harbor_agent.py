@@ -95,7 +95,7 @@ def test_sandbox_environment_contract(harbor_python, tmp_path):
     assert got["public_network"] == "unreachable\n"  # no network even for a public task (bubblewrap, docs/sandbox.md)
     assert got["disable_internet"] and got["no_network"] == "unreachable\n"
     assert got["shell"] == got["shell_after"] == "/tmp yes\n" and got["shell_timeout"]  # the persistent shell
-    assert "/var/tmp 1" in got["agent_shell"]  # the TTT agent's commands share that shell (issue 22)
+    assert "/var/tmp 1" in got["agent_shell"]  # the TTT agent's commands share that shell
 
 
 def agent_steps(trajectory: dict) -> list[dict]:

@@ -5,7 +5,7 @@
 The host-side targets (sentinel tree, Unix-socket and loopback servers, the secret in this process's
 environment) live in this process; tests/harbor/hostile_probe.py runs every attack in the Harbor venv
 through the environment's `exec` and its persistent `shell`, each attack in a fresh trial. Every
-attack must fail in both. The same suite run against the environment of before issue 22 (a chroot
+attack must fail in both. The same suite run against the environment of before the bubblewrap sandbox (a chroot
 in a user namespace where the task is root, read from git) finds its escapes: the chroot escape reads
 the host's secret — so these checks can fail.
 """
@@ -24,7 +24,7 @@ from tests.harbor.scripted_agent import REPO
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from hostile import ATTACKS, HostTargets, command, extra_check  # noqa: E402
 
-OLD_ENV_COMMIT = "2e37d67"  # the last commit before issue 22's sandbox
+OLD_ENV_COMMIT = "2e37d67"  # the last commit before the bubblewrap sandbox
 
 
 def probe(harbor_python, tmp_path, targets, names, env_file=None) -> dict:

@@ -22,6 +22,10 @@
 5. No two test modules under pyproject's testpaths share a file name: the test folders are not packages,
    so pytest imports each module by its bare name and refuses the whole run at collection when two
    collide (tests/unit/test_layout_move.py beside tests/e2e/test_layout_move.py did once).
+6. The tree stands on its own: README.md, docs/*.md and the sources (.py, .sh, .cpp, .cu, .cuh, .h) under
+   ds_ttt/, launch/, evals/, data_prep/, benchmarks/, gpu_check/ and tests/ name no issue number of the
+   team's tracker (a clone cannot look it up: name the feature instead) and no path of one machine (the
+   team's sibling shared folder, the `/work` or `/home` trees). PENDING_FILES lists the files still to fix.
 Each checker also runs on a changed copy of the real text, to show it can fail.
 """
 
@@ -351,3 +355,98 @@ def test_test_module_names_are_unique():
     assert colliding_test_modules(["tests/unit/test_a.py", "tests/e2e/test_a.py", "tests/e2e/test_b.py"]) == {
         "test_a.py": ["tests/unit/test_a.py", "tests/e2e/test_a.py"]
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. a tree that stands on its own: no tracker issue numbers, no paths of one machine
+# ---------------------------------------------------------------------------------------------------
+STANDALONE_ROOTS = ("ds_ttt", "launch", "evals", "data_prep", "benchmarks", "gpu_check", "tests")
+STANDALONE_SUFFIXES = {".py", ".sh", ".cpp", ".cu", ".cuh", ".h"}
+# Not read: generated output (benchmark results and logs record what ran, where it ran), the test
+# fixtures (recorded shell sessions, whose home directories are the sandboxed task's) and prebuilt objects.
+NOT_STANDALONE_CHECKED = ("benchmarks/results/", "gpu_check/logs/", "gpu_check/prebuilt/", "tests/assets/")
+
+# Files that still name an issue number, left alone while others edit them. This list must shrink to
+# empty: fix a file, then remove it here (test_pending_files_still_need_fixing fails once a listed file
+# is clean, so the list cannot outlive its reason). Add nothing to it.
+PENDING_FILES = (
+    "benchmarks/memory_ceiling.py",
+    "docs/adaptation.md",
+    "docs/sandbox.md",
+    "tests/unit/test_sandbox_hostile.py",
+)
+
+# An issue number of the team's tracker (N being digits): "issue N", "Issue N", "issue-N", "issueN",
+# "issue #N", "issues N and M", or "#N" standing alone in prose (after a space or a bracket). Not flagged:
+# a verb ("the k-step issues 3·MT loads": a plural without a list after its number), a hex colour
+# (written in quotes, "#1f77b4" / "#000000", or with letters after its digits), a Markdown heading
+# ("## Use") and an upstream project's issue URL (".../issues/123"): a link anyone can follow is a
+# citation, while a bare number only means something inside this team's tracker.
+ISSUE_NUMBER = re.compile(
+    r"\bissues?[\s_-]*#\d+"
+    r"|\bissue[\s_-]*\d+\b"
+    r"|\bissues\s+\d+(?=\s*(?:,|and\b|&|/|\)|;|\.(?!\d)|$))"
+    r"|(?<![^\s(\[])#\d+\b",
+    re.IGNORECASE | re.MULTILINE)
+# A path of one machine: the team's sibling folder, or an absolute path into /work or /home (a slash on
+# each side; "/tmp/..." scratch paths are any machine's, and "net/work/" is not absolute).
+MACHINE_PATH = re.compile(r"\.\./shared\b|(?<![\w.~-])/(?:work|home)/")
+PATH_WORD = re.compile(r"[^\s`'\"()<>]+")  # the whole path, for the message
+
+
+def standalone_files(root: pathlib.Path = REPO) -> list[str]:
+    """Repository-relative paths of every file section 6 reads."""
+    out = [str(p.relative_to(root)) for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]]
+    for top in STANDALONE_ROOTS:
+        for p in sorted((root / top).rglob("*")):
+            rel = p.relative_to(root).as_posix()
+            if (p.suffix in STANDALONE_SUFFIXES and p.is_file() and not rel.startswith(NOT_STANDALONE_CHECKED)
+                    and not any(part == "__pycache__" or part.startswith(".") for part in p.relative_to(root).parts)):
+                out.append(rel)
+    return out
+
+
+def standalone_problems(name: str, text: str) -> list[str]:
+    """'FILE:LINE: what' for every issue number and machine path in the text."""
+    found = [(m.start(), f"issue number {m.group(0)!r}") for m in ISSUE_NUMBER.finditer(text)]
+    found += [(m.start(), f"machine path {PATH_WORD.match(text, m.start()).group(0)!r}")
+              for m in MACHINE_PATH.finditer(text)]
+    return [f"{name}:{text.count(chr(10), 0, start) + 1}: {what}" for start, what in sorted(found)]
+
+
+def test_no_issue_numbers_or_machine_paths():
+    problems = [p for rel in standalone_files() if rel not in PENDING_FILES
+                for p in standalone_problems(rel, (REPO / rel).read_text(errors="replace"))]
+    assert problems == [], ("name the feature instead of its issue number, and use repository-relative "
+                            "paths:\n" + "\n".join(problems))
+
+
+def test_pending_files_still_need_fixing():
+    files = set(standalone_files())
+    for rel in PENDING_FILES:
+        assert rel in files, f"PENDING_FILES names {rel}, which section 6 does not read"
+        assert standalone_problems(rel, (REPO / rel).read_text()), f"{rel} is clean: remove it from PENDING_FILES"
+
+
+def test_standalone_checker_can_fail():
+    files = standalone_files()
+    for expected in ("README.md", "docs/flashbob_math.md", "launch/main.sh", "evals/heldout_sets.py",
+                     "data_prep/generate.py", "ds_ttt/ops/flashbob/csrc/flashbob_cpu.cpp",
+                     "ds_ttt/ops/flashbob/csrc/flashbob_cuda_kernel.cu", "gpu_check/run.sh", "tests/unit/test_docs.py"):
+        assert expected in files
+    assert not any(f.startswith(NOT_STANDALONE_CHECKED) or "__pycache__" in f for f in files)
+    readme = (REPO / "README.md").read_text()
+    assert standalone_problems("README.md", readme) == []
+    n = "2" + "9"  # built, so that this file names no issue number itself
+    for bad in (f"(issue {n})", f"Issue {n}'s fix", f"the issue-{n} targets", f"issue{n}/", f"issue #{n}",
+                f"issues {n} and 30", f"see #{n}.", f"(#{n})", f"as issue\n{n} reports"):
+        changed = standalone_problems("README.md", readme.replace("## Layout", f"## Layout {bad}", 1))
+        assert len(changed) == 1 and "issue number" in changed[0], bad
+    for bad in ("../" + "shared/design/flashbob_math.md", "cd /" + "work/main &&", "`/" + "home/me/x`"):
+        changed = standalone_problems("README.md", readme.replace("## Layout", f"## Layout {bad}", 1))
+        assert len(changed) == 1 and "machine path" in changed[0], bad
+    assert standalone_problems("x.md", f"## Layout\nsee #{n}\n") == [f"x.md:2: issue number '#{n}'"]
+    for fine in ('colors = ["#1f77b4", "#000000"]', "k-step issues 3·MT + 4·NB/2 ldmatrix", "no open issues",
+                 "https://github.com/containers/bubblewrap/issues/123", "--out /tmp/fb.json", "net/work/x",
+                 "## Use", "x = 1  # a comment", "ls /work /root /home 2>&1", "tissue 3"):
+        assert standalone_problems("x", fine) == [], fine

@@ -18,7 +18,7 @@ Backends:
   "auto"       "cpu" for CPU tensors, "cuda" for CUDA tensors.
 The cpu/cuda backends support first grads with create_graph=True and a second backward
 (backward-over-backward); a third derivative raises. Nothing is compiled at import time.
-Math and schedule: ../shared/design/flashbob_math.md; usage and numbers: docs/flashbob.md.
+Math and schedule: docs/flashbob_math.md; usage and numbers: docs/flashbob.md.
 """
 
 from __future__ import annotations

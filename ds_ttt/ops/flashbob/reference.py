@@ -1,6 +1,6 @@
 """Reference (specification) backend of FlashBoB attention: readable PyTorch math.
 
-This is the spec every kernel is tested against (see ../shared/design/flashbob_math.md). It is
+This is the spec every kernel is tested against (see docs/flashbob_math.md). It is
 plain autograd over explicit N×N tensors, so it is twice (and more) differentiable, runs on any
 device and dtype, and doubles as the explicit `backend="reference"` fallback. It is O(N²) in
 memory: use the `cpu` / `cuda` backends for long sequences.

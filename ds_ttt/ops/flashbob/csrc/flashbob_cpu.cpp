@@ -1,7 +1,7 @@
 // FlashBoB CPU kernels: tiled forward, first backward and exact backward-over-backward (BoB)
 // of softmax attention with GQA, causal/sliding-window masks and absolute offsets.
 //
-// Math and schedule: ../shared/design/flashbob_math.md (notation kept: S, P, dP, dS, F, C, P̄°,
+// Math and schedule: docs/flashbob_math.md (notation kept: S, P, dP, dS, F, C, P̄°,
 // h, P̄, S̄; row scalars L, D, α, E°, E). Layout: q/o/do [B, Hq, Nq, D], k/v [B, Hkv, Nk, D],
 // contiguous; query head h reads KV head h / G (G = Hq / Hkv), K/V are never repeated.
 //

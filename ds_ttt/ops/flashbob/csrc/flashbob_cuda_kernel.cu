@@ -1,6 +1,6 @@
 // FlashBoB CUDA kernels on tensor cores: forward, first backward and backward-over-backward.
 //
-// Math and notation: flashbob_math.md (../shared/design) and docs/flashbob.md. Kernels, each a
+// Math and notation: docs/flashbob_math.md and docs/flashbob.md. Kernels, each a
 // pass over one (batch, kv head) group; "row" passes own a block of packed query rows and
 // stream key tiles, "column" passes own a block of keys and stream packed query-row tiles:
 //   fwd_kernel        row     -> O, stats (m2, 1/l)                 2 GEMMs per tile pair

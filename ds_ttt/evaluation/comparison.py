@@ -132,22 +132,35 @@ def load_sets(sets_dir: str) -> tuple[dict, dict[str, list[dict]]]:
     return info, sets
 
 
+WORLD_SETS = ("memory_worlds", "memory_worlds_train_pool")  # the sets whose memory diagnostics every row carries
+
+
 def modes_for(model) -> tuple[str, ...]:
     return ("ttt", "frozen") if model.num_adaptive > 0 else ("sft",)
 
 
 def score_model(model, tokenizer, sets: dict[str, list[dict]], *, progress: bool = True) -> dict:
-    """Per mode: the metrics above plus the per-episode units the paired comparison resamples."""
+    """Per mode: the metrics above plus the per-episode units the paired comparison resamples, and the
+    memory diagnostics of both world pools (memory_diagnostics.py)."""
     from ds_ttt.data.render import render_trajectory
+    from ds_ttt.evaluation.memory_diagnostics import addressing_margins, readback_sites
 
     model.eval()
     rendered = {name: [render_trajectory(t, tokenizer) for t in trajs] for name, trajs in sets.items()}
+    sites = {name: [readback_sites(w, r, tokenizer) for w, r in zip(sets[name], rendered[name])] for name in WORLD_SETS}
+    margins = ({name: addressing_margins(model, rendered[name], sites[name]) for name in WORLD_SETS}
+               if model.num_adaptive else None)
     out = {}
     for mode in modes_for(model):
         run_mode = "ttt" if mode == "ttt" else "frozen"
-        per_set = {name: _score_trajectories(model, tokenizer, trajs, run_mode, desc=f"{mode} {name}", progress=progress)
+        records: dict[str, list] = {name: [] for name in WORLD_SETS}
+        per_set = {name: _score_trajectories(model, tokenizer, trajs, run_mode, desc=f"{mode} {name}", progress=progress,
+                                             records_out=records.get(name))
                    for name, trajs in rendered.items()}
         out[mode] = summarize_mode(per_set, sets)
+        out[mode]["memory_diagnostics"] = {
+            name: _world_diagnostics(sets[name], sites[name], records[name], per_set[name]) for name in WORLD_SETS}
+        out[mode]["addressing_margin"] = margins
         copy_rows = per_set["memory_worlds"]
         if model.ttt.context_policy != "full":
             copy_rows = _score_full_context(model, tokenizer, rendered["memory_worlds"], run_mode, progress=progress)
@@ -155,14 +168,27 @@ def score_model(model, tokenizer, sets: dict[str, list[dict]], *, progress: bool
     return out
 
 
-def _score_trajectories(model, tokenizer, rendered: list, run_mode: str, *, desc: str, progress: bool) -> list:
-    """Per-round metrics (evaluate_trajectory) of every rendered trajectory, with a progress bar."""
+def _score_trajectories(model, tokenizer, rendered: list, run_mode: str, *, desc: str, progress: bool,
+                        records_out: list | None = None) -> list:
+    """Per-round metrics (evaluate_trajectory) of every rendered trajectory, with a progress bar; with
+    `records_out` (a list), each trajectory's event records are appended to it."""
     from tqdm import tqdm
 
     from ds_ttt.evaluation.runner import evaluate_trajectory
 
-    return [evaluate_trajectory(model, r, run_mode, tokenizer=tokenizer)[0]
-            for r in tqdm(rendered, desc=desc, unit="traj", disable=not progress)]
+    out = []
+    for r in tqdm(rendered, desc=desc, unit="traj", disable=not progress):
+        metrics, info = evaluate_trajectory(model, r, run_mode, tokenizer=tokenizer)
+        out.append(metrics)
+        if records_out is not None:
+            records_out.append(info["records"])
+    return out
+
+
+def _world_diagnostics(worlds: list[dict], sites: list, records: list, per_traj: list) -> dict:
+    from ds_ttt.evaluation.memory_diagnostics import world_diagnostics
+
+    return world_diagnostics(worlds, sites, records, [all(w) for w in _readbacks(worlds, per_traj)])
 
 
 def _score_full_context(model, tokenizer, rendered: list, run_mode: str, *, progress: bool) -> list:
@@ -276,6 +302,11 @@ def compare_rows(models: list[dict], *, command: str, seeds: dict, load: dict) -
                 if f"{k}_count" in res:
                     row[f"{k}_count"] = res[f"{k}_count"]
             row["recovery_rounds"] = res["recovery_rounds"]
+            for k in ("memory_diagnostics", "addressing_margin"):
+                if k not in res:
+                    raise ValueError(f"compare_rows: the row of {m['label']} ({mode}) has no {k!r}: it was scored "
+                                     "before the memory diagnostics existed; score it again (evals/score_baseline.py)")
+                row[k] = res[k]
             rows.append(row)
             if mode != "frozen":
                 headline[m["label"]] = res
@@ -296,8 +327,9 @@ def compare_rows(models: list[dict], *, command: str, seeds: dict, load: dict) -
 
 def targets(report: dict) -> dict:
     """The fair comparison's targets that the rows present can decide (never relaxed; a missing row decides none):
-    the current-round TTT model passes >= 50% of the 128 worlds with the interval's lower bound >= 40%
-    and has memory-check EM >= 0.5 over >= 100 episodes' rounds; TTT full context is no worse than SFT
+    the current-round TTT model passes >= 50% of the 128 worlds with the interval's lower bound >= 40%,
+    >= 50% of the training-pool worlds with two keys or more, and has memory-check EM >= 0.5 over >= 100
+    episodes' rounds; TTT full context is no worse than SFT
     full context on action NLL and better on recovery NLL, with a paired interval excluding zero."""
     out = {}
     row = next((r for r in report["rows"] if r["mode"] == "ttt" and r["train_policy"] == "current_round"), None)
@@ -309,6 +341,9 @@ def targets(report: dict) -> dict:
         k, n = row["memory_action_em_count"]
         out["memory_action_em"] = {"threshold": ">= 0.5 over >= 100 memory-check rounds", "value": [k, n],
                                    "met": n >= 100 and k / n >= 0.5}
+        k, n = row["memory_diagnostics"]["memory_worlds_train_pool"]["multi_key_passed"]
+        out["train_pool_multi_key_worlds"] = {"threshold": ">= 50% of the training-pool worlds with 2 or more keys",
+                                              "value": [k, n], "met": n > 0 and k / n >= 0.5}
     for p in report["paired_differences"]:
         if {p["a"], p["b"]} == {"ttt_full", "sft_full"}:
             sign = 1 if p["a"] == "ttt_full" else -1  # the difference as ttt_full - sft_full
@@ -364,12 +399,48 @@ def markdown(report: dict) -> str:
             val = t["value"]
             val = f"{val[0]}/{val[1]}" if isinstance(val, list) else f"{val:+.4f} {[round(x, 4) for x in t['interval']]}"
             lines.append(f"| {name} | {t['threshold']} | {val} | {'met' if t['met'] else '**not met**'} |")
+    lines += memory_diagnostics_markdown(report["rows"])
     lines += ["", "Paired differences (a - b; the same episodes resampled for both; lower NLL is better):", "",
               "| a | b | metric | a - b | 95% interval | excludes 0 |", "|---|---|---|---|---|---|"]
     for p in report["paired_differences"]:
         lines.append(f"| {p['a']} | {p['b']} | {p['metric']} | {p['diff']:+.4f} | [{p['lo']:+.4f}, {p['hi']:+.4f}] | "
                      f"{'yes' if p['excludes_zero'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def memory_diagnostics_markdown(rows: list[dict]) -> list[str]:
+    """The memory diagnostics of every row (memory_diagnostics.py): first-token accuracy of readbacks,
+    worlds passed by number of keys in both pools, the addressing margin per adaptive layer, and the
+    ids of the worlds that passed."""
+    def keys(d):
+        return " / ".join(f"{d['by_num_keys'][k][0]}/{d['by_num_keys'][k][1]}" if k in d["by_num_keys"] else "-"
+                          for k in ("1", "2", "3", "4"))
+
+    def margin(m):
+        if not m:
+            return "n/a (no adaptive layers)"
+        return "; ".join(f"L{layer}: {v['margin']:+.3f} ({v['above_zero'][0]}/{v['above_zero'][1]} > 0)"
+                         if v["margin"] is not None else f"L{layer}: n/a" for layer, v in m.items())
+
+    lines = ["", "Memory diagnostics: the first value token of each readback predicted exactly; worlds passed by "
+             "number of keys (1 / 2 / 3 / 4); the addressing margin (cosine of the memory key at a readback with its "
+             "own write minus the largest with another key's write, per adaptive layer, W_0 pass; "
+             "ds_ttt/evaluation/memory_diagnostics.py):", "",
+             "| model | mode | first token (128) | first token (training pool) | by #keys (128) | by #keys (training pool) "
+             "| margin (128) | margin (training pool) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d, m = r["memory_diagnostics"], r["addressing_margin"] or {}
+        h, t = d["memory_worlds"], d["memory_worlds_train_pool"]
+        lines.append("| " + " | ".join([
+            r["model"], r["mode"], _fmt(h["first_token"], h["first_token_lo"], h["first_token_hi"], True),
+            _fmt(t["first_token"], t["first_token_lo"], t["first_token_hi"], True), keys(h), keys(t),
+            margin(m.get("memory_worlds")), margin(m.get("memory_worlds_train_pool"))]) + " |")
+    lines += ["", "Worlds passed (ids):", ""]
+    for r in rows:
+        d = r["memory_diagnostics"]
+        lines.append(f"- {r['model']} {r['mode']}: 128 held-out: {', '.join(d['memory_worlds']['passed_ids']) or 'none'}; "
+                     f"training pool: {', '.join(d['memory_worlds_train_pool']['passed_ids']) or 'none'}")
+    return lines
 
 
 def write_plot(report: dict, path) -> None:

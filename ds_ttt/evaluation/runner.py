@@ -50,7 +50,8 @@ def set_context_policy(model, context_policy: str, *, window: int | None = None)
 
 
 def evaluate_trajectory(model, traj, mode: str, *, tokenizer=None, device="cpu") -> tuple[list[RoundMetrics], dict]:
-    """Per-round metrics of one RenderedTrajectory in `mode` ("ttt" or "frozen")."""
+    """Per-round metrics of one RenderedTrajectory in `mode` ("ttt" or "frozen"), and a dict with the
+    update counts and the event records (per-label greedy predictions and NLL, event_loop.EventRecord)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     ids = torch.tensor([traj.input_ids], device=device)
@@ -62,7 +63,7 @@ def evaluate_trajectory(model, traj, mode: str, *, tokenizer=None, device="cpu")
     recovery = (traj.meta or {}).get("recovery_rounds") or []
     metrics = [round_metrics(rec, memory_checks=checks, recovery_rounds=recovery, tokenizer=tokenizer)
                for rec in out.records[0]]
-    return metrics, {"num_updates": out.num_updates, "num_skipped": out.num_skipped}
+    return metrics, {"num_updates": out.num_updates, "num_skipped": out.num_skipped, "records": out.records[0]}
 
 
 def evaluate_model(model, trajectories, *, tokenizer=None, modes=MODES, device="cpu", progress: bool = True,

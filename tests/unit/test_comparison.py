@@ -48,9 +48,10 @@ def test_dev_and_test_seeds_are_apart():
     assert comparison.EPISODE_SEEDS["dev"] != comparison.EPISODE_SEEDS["test"]
 
 
-def _row(worlds, mem, model="ttt_current", policy="current_round", mode="ttt"):
+def _row(worlds, mem, model="ttt_current", policy="current_round", mode="ttt", multi=(0, 24)):
     r = {"model": model, "train_policy": policy, "mode": mode, "worlds_128_count": list(worlds),
-         "worlds_128": worlds[0] / worlds[1], "memory_action_em_count": list(mem)}
+         "worlds_128": worlds[0] / worlds[1], "memory_action_em_count": list(mem),
+         "memory_diagnostics": {"memory_worlds_train_pool": {"multi_key_passed": list(multi)}}}
     from ds_ttt.evaluation.intervals import wilson_interval
     r["worlds_128_lo"], r["worlds_128_hi"] = wilson_interval(*worlds)
     return r
@@ -64,6 +65,12 @@ def test_targets_are_never_met_by_small_samples(worlds, mem, met):
     t = comparison.targets({"rows": [_row(worlds, mem)], "paired_differences": []})
     assert (t["worlds_128"]["met"], t["memory_action_em"]["met"]) == met
     assert "ttt_full_vs_sft_full_recovery_nll" not in t  # no such pair measured: not decided
+
+
+@pytest.mark.parametrize("multi,met", [((12, 24), True), ((11, 24), False), ((0, 0), False)])
+def test_training_pool_target_counts_the_worlds_with_two_keys_or_more(multi, met):
+    t = comparison.targets({"rows": [_row((70, 128), (60, 100), multi=multi)], "paired_differences": []})
+    assert t["train_pool_multi_key_worlds"]["met"] is met and t["train_pool_multi_key_worlds"]["value"] == list(multi)
 
 
 def test_recovery_target_needs_the_whole_interval_below_zero():

@@ -1,4 +1,5 @@
-"""benchmarks/memory_ceiling.py: the ideal-memory simulation on hand-built token sequences and 2 real worlds."""
+"""benchmarks/memory_ceiling.py: the ideal-memory simulation on hand-built token sequences and 2 real worlds,
+and the ideal learned pool (a document-frequency gate on the round's tokens) on hand-built worlds."""
 
 from __future__ import annotations
 
@@ -99,3 +100,62 @@ def test_two_real_worlds(mc):
     name = mc.score_pool(pool, mc.make_key_fn(4, "name"))
     assert name["passed"] == 2 and name["exact_readbacks"] == name["readbacks"]
     assert name["by_num_keys"] == {"2": {"worlds": 2, "passed": 2}}
+
+
+# The learned pool: two keys written by `keygen <name>` (verb 50) and read back by `cat <name>` (verb 60).
+COMMON = {1: 1.0, 2: 1.0, 50: 0.4, 60: 0.4, 70: 0.3, **{h: 0.9 for h in HEADER}}  # verbs, template: frequent
+RARE = {10: 0.01, 11: 0.01}  # the names: rare
+
+
+def test_pool_key_keeps_the_rare_tokens_of_the_round(mc):
+    ids, kinds, rounds = world(TWO_KEYS)
+    assert mc.round_starts(rounds)[ids.index(8)] == ids.index(50)  # round 1 starts at its action
+    key_of = mc.make_pool_key_fn(3, {**COMMON, **RARE}, 0.1)(ids, kinds, rounds)
+    p7, p8 = ids.index(7), ids.index(8)
+    assert key_of(p7) == (tuple(HEADER), frozenset({10}))  # the verb and the header gated out, round 0 unseen
+    assert key_of(p8) == ((91, 92, 7), frozenset({10, 7}))  # the value so far: never seen, so kept
+    # a token at exactly the threshold is kept
+    assert 50 in mc.make_pool_key_fn(3, {**COMMON, **RARE}, 0.4)(ids, kinds, rounds)(p7)[1]
+
+
+def test_learned_pool_passes_where_todays_key_fails(mc):
+    ids, kinds, rounds = world(TWO_KEYS)
+    df = {**COMMON, **RARE}
+    for nearest in (False, True):
+        out = mc.simulate_world(ids, kinds, rounds, READBACKS, mc.make_pool_key_fn(3, df, 0.1), nearest=nearest)
+        assert out["passed"] and [r["exact"] for r in out["readbacks"]] == [True, True]
+    assert not mc.simulate_world(ids, kinds, rounds, READBACKS, mc.make_key_fn(3))["passed"]
+    # a gate that keeps everything is the exact bag of the round: the read's verb is not the write's
+    everything = mc.make_pool_key_fn(3, df, 1.0)
+    exact = mc.simulate_world(ids, kinds, rounds, READBACKS, everything)
+    assert [r["exact"] for r in exact["readbacks"]] == [False, False]
+    # and read by the nearest set, round 4 ties between its write and round 3's readback (same verb): the
+    # later write wins and returns the other key's value
+    near = mc.simulate_world(ids, kinds, rounds, READBACKS, everything, nearest=True)
+    assert [r["exact"] for r in near["readbacks"]] == [True, False]
+    # a gate that drops the names too puts both keys on one address again
+    assert not mc.simulate_world(ids, kinds, rounds, READBACKS, mc.make_pool_key_fn(3, df, 0.005))["passed"]
+
+
+def _pool(names_per_world):
+    out = []
+    for i, (a, b) in enumerate(names_per_world):
+        ids, kinds, rounds = world([([50, a], [7, 8]), ([50, b], [5, 6]), ([70], [3]),
+                                    ([60, a], [7, 8]), ([60, b], [5, 6])])
+        out.append({"seed": i, "num_keys": 2, "ids": ids, "kinds": kinds, "rounds": rounds,
+                    "readbacks": [{"round": 4}, {"round": 5}], "firsts": {}, "tags": {}})
+    return out
+
+
+def test_document_frequency_and_the_dev_choice(mc):
+    dev = _pool([(10, 11), (12, 13), (14, 15), (16, 17)])
+    df, num_rounds = mc.document_frequency(dev)
+    assert num_rounds == 4 * 6  # round 0 (the prompt) counts
+    assert df[10] == pytest.approx(2 / 24) and df[50] == pytest.approx(8 / 24) and df[91] == pytest.approx(20 / 24)
+    gate = mc.choose_gate(dev, 3, df, [0.2, 0.5, 1.0])
+    cells = {(r["threshold"], r["read"], r["write_rule"]): r["passed"] for r in gate["grid"]}
+    assert cells[(0.2, "exact", "overwrite")] == 4 and cells[(0.5, "exact", "overwrite")] == 0
+    assert gate["chosen"] == {"exact": 0.2, "nearest": 0.2}
+    # scored on a world whose names the dev worlds never saw: kept (frequency 0), so it passes
+    held = _pool([(20, 21)])
+    assert mc.score_pool(held, mc.make_pool_key_fn(3, df, gate["chosen"]["exact"]))["passed"] == 1

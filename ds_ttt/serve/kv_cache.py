@@ -14,8 +14,9 @@ which slots a query may see, so the context policy needs no gather:
   current_round   slots [0, n0) hold round 0 (system prompt + task), slots from n0 on the current
                   round only: a new round overwrites the previous one, which no later query may see.
 
-The memory key's token shift (ttt.key_shift, ds_ttt/model/fast_weights.py) needs the last S prime-MLP
-inputs of each adaptive layer before a chunk. The cache keeps two such histories (not one per slot):
+The memory key's state (ds_ttt/model/fast_weights.py: the token shift's last S prime-MLP inputs,
+ttt.key_shift, and the round address's running pool, ttt.round_address) is needed before each chunk
+of every adaptive layer. The cache keeps two such states (not one per slot):
 the one ending at the last written slot (`key_tail`, continued by every decode step) and the one at
 the start of the open round (`key_round`: `observe` re-runs the round from there). A chunk at slot 0,
 or at round 0's end under current_round (a new round), starts from zeros.

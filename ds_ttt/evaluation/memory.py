@@ -56,9 +56,16 @@ def contamination(worlds: list[dict], training_manifest: str | None) -> dict:
 
 
 def score_worlds(model, worlds: list[dict], tokenizer, *, modes=MODES, device="cpu", progress=True) -> dict:
+    """Per mode: worlds passed, exact readbacks and memory facts, and the memory diagnostics
+    (memory_diagnostics.py: first-token accuracy, worlds by number of keys, passed ids); the addressing
+    margin once (a W_0 pass)."""
     from ds_ttt.data.render import render_trajectory
+    from ds_ttt.evaluation.memory_diagnostics import addressing_margins, readback_sites, world_diagnostics
 
     per_mode = {m: {"worlds_passed": 0, "readbacks_exact": 0, "facts_exact": 0, "num_facts": 0} for m in modes}
+    records = {m: [] for m in modes}
+    passed = {m: [] for m in modes}
+    all_sites, all_rendered = [], []
     rows = []
     it = worlds
     if progress:
@@ -67,10 +74,15 @@ def score_worlds(model, worlds: list[dict], tokenizer, *, modes=MODES, device="c
         it = tqdm(worlds, desc="memory worlds", unit="world")
     for world in it:
         rendered = render_trajectory(world, tokenizer)
+        all_rendered.append(rendered)
+        all_sites.append(readback_sites(world, rendered, tokenizer))
         row = {"id": world["id"], "seed": world["meta"]["seed"], "num_tokens": len(rendered.input_ids),
                "readback_rounds": [rb["round"] for rb in world["meta"]["readbacks"]]}
         for m in modes:
-            metrics, _ = evaluate_trajectory(model, rendered, m, tokenizer=tokenizer, device=device)
+            metrics, info = evaluate_trajectory(model, rendered, m, tokenizer=tokenizer, device=device)
+            records[m].append(info["records"])
+            passed[m].append(all(bool({r.round: r for r in metrics}[rb["round"]].obs_exact)
+                                 for rb in world["meta"]["readbacks"]))
             by_round = {r.round: r for r in metrics}
             exact = [bool(by_round[rb["round"]].obs_exact) for rb in world["meta"]["readbacks"]]
             facts = [f["exact"] for r in metrics for f in r.memory]
@@ -85,10 +97,12 @@ def score_worlds(model, worlds: list[dict], tokenizer, *, modes=MODES, device="c
         rows.append(row)
     n = len(worlds)
     num_readbacks = sum(len(w["meta"]["readbacks"]) for w in worlds)
-    for s in per_mode.values():
+    for m, s in per_mode.items():
         s.update(num_worlds=n, num_readbacks=num_readbacks,
-                 worlds=f"{s['worlds_passed']}/{n}", readbacks=f"{s['readbacks_exact']}/{num_readbacks}")
-    return {"summary": per_mode, "worlds": rows}
+                 worlds=f"{s['worlds_passed']}/{n}", readbacks=f"{s['readbacks_exact']}/{num_readbacks}",
+                 diagnostics=world_diagnostics(worlds, all_sites, records[m], passed[m]))
+    margin = addressing_margins(model, all_rendered, all_sites) if model.num_adaptive else None
+    return {"summary": per_mode, "addressing_margin": margin, "worlds": rows}
 
 
 def markdown(results: dict) -> str:
@@ -98,9 +112,22 @@ def markdown(results: dict) -> str:
              f"`{results.get('context_policy_trained', results['context_policy'])}`)",
              f"- checkpoint `{results['checkpoint'].get('path')}`, config sha256 {str(results['config_sha256'])[:16]}",
              f"- contamination: {results['contamination'].get('values_found_in_training', 'not checked')}", "",
-             "| mode | worlds passed | readbacks exact | memory facts exact |", "|---|---|---|---|"]
+             "| mode | worlds passed | readbacks exact | memory facts exact | first value token | passed by #keys (1/2/3/4) |",
+             "|---|---|---|---|---|---|"]
     for m, s in results["summary"].items():
-        lines.append(f"| {m} | {s['worlds']} | {s['readbacks']} | {s['facts_exact']}/{s['num_facts']} |")
+        d = s["diagnostics"]
+        k = " / ".join(f"{d['by_num_keys'][x][0]}/{d['by_num_keys'][x][1]}" if x in d["by_num_keys"] else "-"
+                       for x in ("1", "2", "3", "4"))
+        lines.append(f"| {m} | {s['worlds']} | {s['readbacks']} | {s['facts_exact']}/{s['num_facts']} "
+                     f"| {d['first_token_count'][0]}/{d['first_token_count'][1]} | {k} |")
+    lines += ["", "Addressing margin (memory key at a readback: cosine with its own write minus the closest other "
+              "write, W_0 pass; ds_ttt/evaluation/memory_diagnostics.py):", ""]
+    for layer, v in (results.get("addressing_margin") or {}).items():
+        lines.append(f"- layer {layer}: " + (f"{v['margin']:+.3f} ({v['above_zero'][0]}/{v['above_zero'][1]} > 0; "
+                                              f"own {v['cos_own']:.3f}, other {v['cos_other']:.3f})"
+                                              if v["margin"] is not None else "no world with two keys"))
+    lines += ["", "Worlds passed: " + "; ".join(f"{m}: {', '.join(s['diagnostics']['passed_ids']) or 'none'}"
+                                               for m, s in results["summary"].items())]
     return "\n".join(lines) + "\n"
 
 

@@ -116,9 +116,15 @@ def test_memory_test_cli_reports_worlds_and_readbacks(export_dir, tmp_path):
         s = res["summary"][mode]
         assert s["num_readbacks"] == 2 and s["readbacks"].endswith("/2") and s["worlds"].endswith("/1")
         assert s["num_facts"] == 2
+        d = s["diagnostics"]  # the memory diagnostics (memory_diagnostics.py)
+        assert d["first_token_count"][1] == 2 and d["by_num_keys"] == {"2": [int(s["worlds_passed"]), 1]}
+        assert len(d["passed_ids"]) == s["worlds_passed"]
+    (layer,) = res["addressing_margin"].values()  # one adaptive layer, both readbacks have another key's write
+    assert layer["readbacks"] == 2 and -2 <= layer["margin"] <= 2
     for w in res["worlds"]:
         assert len(w["ttt"]["readbacks_exact"]) == 2 and w["ttt"]["passed"] == all(w["ttt"]["readbacks_exact"])
-    assert "| ttt |" in (out / "summary.md").read_text()
+    md = (out / "summary.md").read_text()
+    assert "| ttt |" in md and "Addressing margin" in md and "Worlds passed:" in md
 
 
 def test_context_policy_override_is_recorded(data, export_dir, tmp_path):

@@ -145,3 +145,25 @@ def test_every_mode_gets_a_copy_check_over_the_worlds_readbacks(two_worlds, poli
     else:  # a full-context model's own readbacks are the copy check (a random tiny model copies nothing)
         assert full_calls == []
         assert [out[m]["copy_check_count"] for m in out] == [[0, num]] * 2
+
+
+def test_a_round_address_model_has_no_full_context_copy_check(two_worlds, monkeypatch):
+    import torch
+
+    from ds_ttt.config import TTTConfig
+    from ds_ttt.model.presets import tiny_qwen3_config
+    from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+
+    tok, worlds, _ = two_worlds
+    torch.manual_seed(0)
+    cfg = tiny_qwen3_config(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8)
+    model = TTTQwen3ForCausalLM(cfg, TTTConfig(adaptive_layers=1, context_policy="current_round",
+                                               round_address=True)).eval()
+    monkeypatch.setattr(comparison, "summarize_mode", lambda per_set, sets: {})
+    monkeypatch.setattr(comparison, "_score_full_context", lambda *a, **k: pytest.fail("no full-context twin exists"))
+    sets = {"memory_worlds": worlds, "memory_worlds_train_pool": [], "memory_episodes": [], "recovery_episodes": []}
+    out = comparison.score_model(model, tok, sets, progress=False)
+    for mode in ("ttt", "frozen"):
+        assert out[mode]["copy_check_count"] == [0, 0] and out[mode]["copy_check"] is None
+        assert "round address" in out[mode]["copy_check_note"]

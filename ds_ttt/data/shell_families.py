@@ -1,7 +1,7 @@
 """Task families whose later commands depend on shell state from an earlier one: a `cd`, an `export`, a job.
 
 Registered in `families.FAMILIES` as "shell_state"; the generator (`generator.py`) picks them like any
-other family. They only make sense in the sandbox's persistent shell (`sandbox.Sandbox.run`: one bash
+other family. They only make sense in the sandbox's persistent shell (`ds_ttt.sandbox.Sandbox.run`: one bash
 per episode), and each policy checks that the state really carried over (a later command relies on
 it and its output is asserted), so a sandbox that started a fresh shell per command fails them:
 

@@ -31,7 +31,7 @@ from typing import Callable
 from ds_ttt.data import families as fam
 from ds_ttt.data import shell_families as shell
 from ds_ttt.data.generator import Episode
-from ds_ttt.data.sandbox import Sandbox
+from ds_ttt.sandbox import Sandbox
 from ds_ttt.tasks import checks as ck
 
 

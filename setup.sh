@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PYTHON="${PYTHON:-python3}"
 setup_t0=$(date +%s)
-# bubblewrap: the sandbox of every model-written command (ds_ttt/data/sandbox.py, docs/sandbox.md)
+# bubblewrap: the sandbox of every model-written command (ds_ttt/sandbox/, docs/sandbox.md)
 if ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && apt-get install -y -qq bubblewrap
@@ -27,7 +27,7 @@ fi
 .venv/bin/python -m pip install -q --no-deps -e .
 .venv/bin/python -c "import torch, deepspeed, transformers; print(f'[setup] torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}')"
 # each sandbox's cgroup (docs/sandbox.md): the sandbox refuses where none can be made; say so now, with the fix
-.venv/bin/python -c "from ds_ttt.data.sandbox import cgroup_problem; p = cgroup_problem(); print('[setup] per-episode cgroup caps: ' + ('available' if p is None else 'UNAVAILABLE, sandboxes will refuse: ' + p))"
+.venv/bin/python -c "from ds_ttt.sandbox import cgroup_problem; p = cgroup_problem(); print('[setup] per-episode cgroup caps: ' + ('available' if p is None else 'UNAVAILABLE, sandboxes will refuse: ' + p))"
 # launch/main.sh counts this in the main command's wall time when it starts right after setup
 echo $(( $(date +%s) - setup_t0 )) > .venv/.setup_seconds
 # The Harbor venv (.venv-harbor, Python >= 3.12) for the Harbor agent and its test; see docs/harbor.md

@@ -52,7 +52,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps -e .
   echo "$want" > "$stamp"
 fi
-"$VENV/bin/python" -c "import sys, harbor, openai, importlib.metadata as m; import ds_ttt.data.sandbox; \
+"$VENV/bin/python" -c "import sys, harbor, openai, importlib.metadata as m; import ds_ttt.sandbox; \
 assert 'torch' not in sys.modules; \
 print(f'[setup_harbor] {sys.executable}: Python {sys.version.split()[0]}, harbor {m.version(\"harbor\")}, openai {openai.__version__}, ds_ttt {m.version(\"ds_ttt\")}')"
 echo "[setup_harbor] $(( $(date +%s) - t0 )) s"

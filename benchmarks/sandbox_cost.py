@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sandbox_cost.py [--commands 400] [--episodes 60] \
         [--out benchmarks/results/sandbox_cost.json] [--force]
 
-Both arms are ds_ttt.data.sandbox.Sandbox with bubblewrap; "caps" has its cgroup (cgroup_caps="required":
+Both arms are ds_ttt.sandbox.Sandbox with bubblewrap; "caps" has its cgroup (cgroup_caps="required":
 memory, pids and CPU caps, an OOM check around each command), "none" has not (cgroup_caps="none").
 Measured in one process, interleaved so that load drifts hit both arms alike:
 
@@ -91,7 +91,7 @@ def start(Sandbox, n: int) -> dict:
 
 
 def cgroup_only(n: int) -> dict:
-    from ds_ttt.data.cgroup_caps import CgroupCaps, create_episode_cgroup
+    from ds_ttt.sandbox.caps import CgroupCaps, create_episode_cgroup
 
     times = []
     for i in range(n):
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     if load_start[0] >= 2.5 and not args.force:
         print(f"1-minute load {load_start[0]:.2f} >= 2.5: not starting (retry later, or --force)", file=sys.stderr)
         return 3
-    from ds_ttt.data.sandbox import Sandbox
+    from ds_ttt.sandbox import Sandbox
 
     t0 = time.time()
     res = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,

@@ -6,7 +6,7 @@
 (Named benchmarks/sandbox_cost.py until the sandbox's cgroup caps, whose cost that name now measures.)
 
 "before" is the sandbox of commit 2e37d67 (a fresh `unshare` user/net/mount/PID namespace and a
-Python init per command), loaded from git into a temporary module; "after" is ds_ttt.data.sandbox
+Python init per command), loaded from git into a temporary module; "after" is ds_ttt.sandbox
 (bubblewrap, one persistent bash per episode). Measured, one process, one worker, alternating:
 
   per_command_ms   wall time of `sb.run("true")` in one sandbox (after: inside the persistent shell),
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     if load_start[0] >= 2.5 and not args.force:
         print(f"1-minute load {load_start[0]:.2f} >= 2.5: not starting (retry later, or --force)", file=sys.stderr)
         return 3
-    from ds_ttt.data import sandbox as after
+    import ds_ttt.sandbox as after
 
     before = load_before()
     t0 = time.time()

@@ -8,7 +8,7 @@ Writes DIR/trajectories.jsonl (canonical) and DIR/atif/<id>.json (ATIF), then pr
 Feed DIR, DIR/trajectories.jsonl or DIR/atif to data_prep/prepare.py: given the folder, prepare keeps
 the trajectories.jsonl copy of each trajectory and lists the ATIF copies as duplicate copies.
 
-The commands run in `ds_ttt.data.sandbox.Sandbox` (no network, writes confined to the sandbox, a
+The commands run in `ds_ttt.sandbox.Sandbox` (no network, writes confined to the sandbox, a
 process cap, every process killed afterwards: docs/data.md). Where its namespaces are unavailable
 this refuses (exit 2) and says why; --no-isolation accepts running without them, and each
 trajectory records the isolation used in meta.isolation ("bwrap" or "none"). Each episode runs in a

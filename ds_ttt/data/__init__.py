@@ -7,9 +7,9 @@
   render.py      Qwen3 chat rendering -> ids + TokenKind + round per token (trainer, evals, serving)
   synthetic.py   seeded synthetic trajectories (ids + TokenKind + rounds) for benchmarks and the GPU check
   capacity.py    valid-prefix capacity rule;  manifest.py: prepare / load_manifest;  hub.py: pinned download
-  sandbox.py, families.py, generator.py   the real-shell trajectory generator (+ generate_memory_world);
-                 sandbox_init.py is the first process inside a sandbox (run as a script, not imported)
-  cgroup_caps.py each sandbox's cgroup: the whole episode's memory, processes and CPU capped (v2, v1, systemd)
+  families.py, shell_families.py, generator.py   the real-shell trajectory generator (+ generate_memory_world);
+                 its commands run in the sandbox package (ds_ttt/sandbox/); family_common.py: the words,
+                 names and random lines both family modules (and ds_ttt/tasks/kinds.py) build worlds from
   cli.py         the data_prep/ command lines (generate, prepare, build_tokenizer)
 
 Nothing is imported here so that `import ds_ttt.data.render` stays cheap and side-effect free.

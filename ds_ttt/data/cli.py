@@ -24,10 +24,11 @@ def _parser(description: str | None) -> argparse.ArgumentParser:
 
 
 def generate_main(argv: list[str] | None = None, *, description: str | None = None) -> int:
+    from ds_ttt.sandbox import SandboxError
+
     from .generator import FAMILY_NAMES, generate, write_outputs
     from .render import render_trajectory
     from .token_kind import TokenKind
-    from .sandbox import SandboxError
     from .tokenizer import build_qwen3_tokenizer
 
     ap = _parser(description)

@@ -20,23 +20,8 @@ from __future__ import annotations
 import random
 import shlex
 
-WORDS = (
-    "alpha bravo cedar delta ember falcon garnet harbor indigo juniper kestrel lumen maple nimbus onyx "
-    "pepper quartz raven sierra tundra umber violet willow xenon yarrow zephyr amber basil cobalt dune"
-).split()
-SERVICES = "api worker gateway billing auth search metrics scheduler notifier ingest".split()
-
-
-def _name(rng: random.Random) -> str:
-    return rng.choice(WORDS)
-
-
-def _hex(rng: random.Random, n: int) -> str:
-    return "".join(rng.choice("0123456789abcdef") for _ in range(n))
-
-
-def _lines(rng: random.Random, n: int, prefix: str = "") -> str:
-    return "".join(f"{prefix}{_name(rng)} {_name(rng)} {rng.randint(1, 999)}\n" for _ in range(n))
+from .family_common import SERVICES, WORDS, random_hex, random_lines, random_name
+from .shell_families import SHELL_FAMILIES
 
 
 # ---------------------------------------------------------------------------------------- memory
@@ -44,14 +29,14 @@ def memory_config(ep, rng: random.Random) -> None:
     svc = rng.choice(SERVICES)
     kind = rng.choice(["port", "token", "version"])
     port = str(rng.randint(20000, 65000))
-    token = _hex(rng, 12)
+    token = random_hex(rng, 12)
     version = f"{rng.randint(1, 9)}.{rng.randint(0, 20)}.{rng.randint(0, 9)}"
     fact = {"port": port, "token": token, "version": version}[kind]
     cfg_dir = rng.choice(["config", "etc", "conf"])
     ep.write(f"{cfg_dir}/{svc}.ini", f"[{svc}]\nhost = 127.0.0.1\nport = {port}\nworkers = {rng.randint(2, 16)}\n"
              f"token = {token}\nversion = {version}\nlog_level = {rng.choice(['info', 'debug', 'warn'])}\n")
     ep.write(f"{cfg_dir}/defaults.ini", f"[defaults]\nport = 8080\ntimeout = {rng.randint(5, 60)}\n")
-    ep.write("logs/boot.log", _lines(rng, rng.randint(3, 6), "boot: "))
+    ep.write("logs/boot.log", random_lines(rng, rng.randint(3, 6), "boot: "))
     target = {"port": "start.sh", "token": "deploy/auth.env", "version": "RELEASE"}[kind]
     ep.task(f"The {svc} service configuration is somewhere in this directory. Find its {kind} and record it: "
             + {"port": f"write a launcher start.sh that runs `./{svc} --port <PORT>`.",
@@ -153,7 +138,7 @@ def memory_world(ep, rng: random.Random, num_distractors: int | None = None, poo
     value is stored and read back (cat, head, grep over name=value lines, a config field; held out:
     sed, a JSON field)."""
     spec = MEMORY_POOLS[pool]
-    salt = _hex(rng, 8)
+    salt = random_hex(rng, 8)
     fmt = rng.choice(spec["formats"])
     filt, (lo, hi) = VALUE_FORMATS[fmt]
     length = rng.randint(lo, hi)
@@ -208,8 +193,8 @@ TYPOS = {"cat": ["catt", "cta", "ca"], "grep": ["gerp", "grpe"], "ls": ["sl", "l
 
 
 def recovery_typo(ep, rng: random.Random) -> None:
-    f = f"{_name(rng)}_notes.txt"
-    ep.write(f, _lines(rng, rng.randint(3, 8)))
+    f = f"{random_name(rng)}_notes.txt"
+    ep.write(f, random_lines(rng, rng.randint(3, 8)))
     tool = rng.choice(["cat", "wc", "head"])
     good = {"cat": f"cat {f}", "wc": f"wc -l {f}", "head": f"head -n 2 {f}"}[tool]
     goal = {"cat": "Show the contents of", "wc": "Count the lines in", "head": "Show the first two lines of"}[tool]
@@ -228,10 +213,10 @@ def recovery_missing_file(ep, rng: random.Random) -> None:
     sub = rng.choice(["", "app/"])
     key = rng.choice(["replicas", "retries", "threads"])
     val = rng.randint(2, 12)
-    body = f"name: {_name(rng)}\n{key}: {val}\nregion: {_name(rng)}-{rng.randint(1, 4)}\n"
+    body = f"name: {random_name(rng)}\n{key}: {val}\nregion: {random_name(rng)}-{rng.randint(1, 4)}\n"
     if rng.random() < 0.8:  # otherwise the file exists nowhere and the run ends in failure
         ep.write(f"{sub}{stem}.{real_ext}", body)
-    ep.write(f"{sub}README.md", f"# {_name(rng)}\n")
+    ep.write(f"{sub}README.md", f"# {random_name(rng)}\n")
     ep.task(f"Report the value of `{key}` in {sub}{stem}.{asked_ext}.")
     out = ep.act(f"Read {sub}{stem}.{asked_ext} and look for {key}.", f"grep {key} {sub}{stem}.{asked_ext}", expect_fail=True)
     assert "No such file" in out, out
@@ -259,8 +244,8 @@ def recovery_bad_flag(ep, rng: random.Random) -> None:
         ep.task(f"Print the numbers in {f} sorted from largest to smallest.")
         bad, fix, why = f"sort -x {f}", f"sort -rn {f}", "sort has no -x; numeric reverse is -rn"
     elif variant == "ls":
-        ep.write(f"data/{_name(rng)}.csv", "a,b\n")
-        ep.write(f"data/{_name(rng)}_old.csv", "a,b\n")
+        ep.write(f"data/{random_name(rng)}.csv", "a,b\n")
+        ep.write(f"data/{random_name(rng)}_old.csv", "a,b\n")
         ep.task("List the files in data/ in reverse alphabetical order.")
         bad, fix, why = "ls --sorted data", "ls -r data", "ls has no --sorted option; -r reverses the order"
     else:
@@ -275,7 +260,7 @@ def recovery_bad_flag(ep, rng: random.Random) -> None:
 
 def recovery_permission(ep, rng: random.Random) -> None:
     name = rng.choice(["build.sh", "run_tests.sh", "setup.sh"])
-    word = _name(rng)
+    word = random_name(rng)
     ep.write(name, f"#!/bin/sh\necho \"{name}: step 1 ok\"\necho \"{name}: {word} done\"\n", mode=0o644)
     ep.task(f"Run ./{name} and report its last line.")
     out = ep.act(f"Run ./{name}.", f"./{name}", expect_fail=True)
@@ -293,11 +278,11 @@ def recovery_grep_case(ep, rng: random.Random) -> None:
     lines = []
     for i in range(rng.randint(5, 9)):
         if rng.random() < 0.4:
-            lines.append(f"2024-05-{i + 1:02d} {word.upper()}: {_name(rng)} {_name(rng)} failed")
+            lines.append(f"2024-05-{i + 1:02d} {word.upper()}: {random_name(rng)} {random_name(rng)} failed")
         else:
-            lines.append(f"2024-05-{i + 1:02d} INFO: {_name(rng)} ok")
+            lines.append(f"2024-05-{i + 1:02d} INFO: {random_name(rng)} ok")
     if not any(word.upper() in l for l in lines):
-        lines.append(f"2024-05-30 {word.upper()}: {_name(rng)} failed")
+        lines.append(f"2024-05-30 {word.upper()}: {random_name(rng)} failed")
     ep.write(f"logs/{log}", "\n".join(lines) + "\n")
     ep.task(f"How many {word} lines are in logs/{log}? Show them too.")
     ep.act(f"Search logs/{log} for '{word}'.", f"grep -n {word} logs/{log}", expect_fail=True)
@@ -317,7 +302,7 @@ def explore_replace(ep, rng: random.Random) -> None:
         for i in range(rng.randint(1, 3)):
             on = rng.random() < 0.7
             n_on += on
-            ep.write(f"{d}/{_name(rng)}{i}.env", f"NAME={_name(rng)}\n{flag}={'true' if on else 'false'}\nPORT={rng.randint(1000, 9999)}\n")
+            ep.write(f"{d}/{random_name(rng)}{i}.env", f"NAME={random_name(rng)}\n{flag}={'true' if on else 'false'}\nPORT={rng.randint(1000, 9999)}\n")
     if n_on == 0:
         ep.write(f"{dirs[0]}/extra.env", f"{flag}=true\n")
     ep.write("README.md", "env files live in subfolders\n")
@@ -339,8 +324,8 @@ def explore_count(ep, rng: random.Random) -> None:
         for i in range(rng.randint(1, 3)):
             k = rng.randint(0, 3)
             n += k
-            body = "".join(f"# TODO: {_name(rng)} {_name(rng)}\n" if j < k else f"x{j} = {rng.randint(0, 9)}\n" for j in range(k + 2))
-            ep.write(f"{d}/{_name(rng)}_{i}.{ext}", body)
+            body = "".join(f"# TODO: {random_name(rng)} {random_name(rng)}\n" if j < k else f"x{j} = {rng.randint(0, 9)}\n" for j in range(k + 2))
+            ep.write(f"{d}/{random_name(rng)}_{i}.{ext}", body)
     if n == 0:  # grep exits 1 on no match; keep the task non-trivial
         ep.write(f"{d}/extra.{ext}", "# TODO: check this\n")
         n = 1
@@ -355,11 +340,11 @@ def explore_count(ep, rng: random.Random) -> None:
 
 
 def explore_rename(ep, rng: random.Random) -> None:
-    old = f"{rng.choice(['load', 'parse', 'fetch', 'build'])}_{_name(rng)}"
+    old = f"{rng.choice(['load', 'parse', 'fetch', 'build'])}_{random_name(rng)}"
     new = f"{old}_v2"
     files = []
     for i in range(rng.randint(2, 4)):
-        f = f"pkg/{_name(rng)}{i}.py"
+        f = f"pkg/{random_name(rng)}{i}.py"
         uses = rng.randint(0, 2) if i else 1
         body = (f"def {old}(x):\n    return x\n" if i == 0 else "from pkg import *\n") + "".join(f"y{j} = {old}({j})\n" for j in range(uses))
         ep.write(f, body)
@@ -409,6 +394,5 @@ FAMILIES = {
     "memory": [memory_config, memory_filename, memory_world],
     "error_recovery": [recovery_typo, recovery_missing_file, recovery_bad_flag, recovery_permission, recovery_grep_case],
     "explore_edit": [explore_replace, explore_count, explore_rename, explore_largest, explore_csv],
+    **SHELL_FAMILIES,  # cd / export / background-job families (shell_families.py)
 }
-from .shell_families import SHELL_FAMILIES  # noqa: E402 - cd / export / background-job families (shell_families.py)
-FAMILIES.update(SHELL_FAMILIES)

@@ -4,7 +4,7 @@
     world = generate_memory_world(seed=7)           # one fresh memory world for the memory eval
 
 Every observation is the real output of the command in real bash inside the episode's sandbox
-(`sandbox.py`: bubblewrap, no network, an unprivileged uid, only the episode's own root writable,
+(`ds_ttt/sandbox/`: bubblewrap, no network, an unprivileged uid, only the episode's own root writable,
 process/memory/file/output limits, and one persistent shell per episode, so a `cd`, an `export` or a
 background job carries over to the next command; without bwrap the generator refuses unless called
 with isolation="none", which `data_prep/generate.py --no-isolation` passes). `meta.isolation` records
@@ -25,8 +25,9 @@ import multiprocessing as mp
 import random
 from pathlib import Path
 
+from ds_ttt.sandbox import Sandbox, format_observation, resolve_cgroup_caps, resolve_isolation
+
 from .families import FAMILIES, memory_world
-from .sandbox import Sandbox, format_observation, resolve_cgroup_caps, resolve_isolation
 
 SYSTEM_PROMPT = (
     "You are a careful terminal agent in a Linux sandbox. Use the bash tool to run one command at a time, "

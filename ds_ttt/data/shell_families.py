@@ -1,7 +1,7 @@
 """Task families whose later commands depend on shell state from an earlier one: a `cd`, an `export`, a job.
 
 Registered in `families.FAMILIES` as "shell_state"; the generator (`generator.py`) picks them like any
-other family. They only make sense in the sandbox's persistent shell (`sandbox.Sandbox.run`: one bash
+other family. They only make sense in the sandbox's persistent shell (`ds_ttt.sandbox.Sandbox.run`: one bash
 per episode), and each policy checks that the state really carried over (a later command relies on
 it and its output is asserted), so a sandbox that started a fresh shell per command fails them:
 
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import random
 
-from .families import SERVICES, _lines, _name
+from .family_common import SERVICES, random_lines, random_name
 
 
 def shell_cd(ep, rng: random.Random) -> None:
-    proj = _name(rng)
+    proj = random_name(rng)
     sub = rng.choice(["src", "lib", "app"])
-    files = sorted({f"{_name(rng)}.py" for _ in range(rng.randint(2, 4))})
+    files = sorted({f"{random_name(rng)}.py" for _ in range(rng.randint(2, 4))})
     for f in files:
-        ep.write(f"projects/{proj}/{sub}/{f}", _lines(rng, rng.randint(2, 9), "# "))
+        ep.write(f"projects/{proj}/{sub}/{f}", random_lines(rng, rng.randint(2, 9), "# "))
     ep.write(f"projects/{proj}/README.md", f"# {proj}\n")
     ep.write("projects/other/README.md", "# other\n")
     ep.task(f"Work inside projects/{proj}/{sub}: count the lines of each .py file there and write the total "
@@ -68,7 +68,7 @@ def shell_export(ep, rng: random.Random) -> None:
 
 
 def shell_background(ep, rng: random.Random) -> None:
-    word = _name(rng)
+    word = random_name(rng)
     steps = rng.randint(2, 5)
     # After the flag the job lingers for a second: `touch go && wait %1` must find the job still running
     # (one that has already ended and been reported leaves the job table, and `wait %1` answers "no such

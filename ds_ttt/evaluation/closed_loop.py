@@ -5,7 +5,7 @@
     row = summarize(episodes, model="ttt_current", mode="ttt")
 
 One episode (the training loop's shape, as `ds_ttt.serve.runner` and the Harbor agent run it):
-  1. a fresh bubblewrap sandbox (ds_ttt/data/sandbox.py) holding the task's environment/ files in /app;
+  1. a fresh bubblewrap sandbox (ds_ttt/sandbox/) holding the task's environment/ files in /app;
   2. an AgentSession reset with the generator's system prompt, its `bash` tool and the instruction;
   3. until a reply makes no tool call, or `max_rounds` replies: the model generates its action, every
      tool call runs in the episode's persistent shell, and the observation goes back to the session,
@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from ds_ttt.data.sandbox import Sandbox, SandboxError
+from ds_ttt.sandbox import Sandbox, SandboxError
 from ds_ttt.evaluation.intervals import wilson_interval
 from ds_ttt.serve.runner import BashToolRunner
 from ds_ttt.tasks.checks import ANSWER_PATH, REWARD_PATH

@@ -68,7 +68,7 @@ from pydantic import Field
 
 import ds_ttt
 from ds_ttt.data.generator import BASH_TOOL, SYSTEM_PROMPT
-from ds_ttt.data.sandbox import CommandResult, format_observation
+from ds_ttt.sandbox import CommandResult, format_observation
 from ds_ttt.tasks.checks import ANSWER_PATH
 
 AGENT_NAME = "ds-ttt"

@@ -4,7 +4,7 @@
         --env ds_ttt.serve.harbor_env:SandboxEnvironment [--ek keep=true] [--ek cgroup_caps=none] ...
 
 Runs in the Harbor venv (Python >= 3.12, `bash setup_harbor.sh`); see docs/harbor.md and
-docs/sandbox.md. Each trial is one `ds_ttt.data.sandbox.Sandbox` (the generator's and the serve
+docs/sandbox.md. Each trial is one `ds_ttt.sandbox.Sandbox` (the generator's and the serve
 runner's sandbox): bubblewrap with no network, uid 1000 without capabilities, the host's /usr and /etc
 read-only, and as private size-capped tmpfs mounts the task's workdir (`/app` by default, holding the
 task's `environment/` files), HOME=/root, /tmp, /var/tmp and Harbor's `/logs`, `/tests`, `/solution`;
@@ -46,7 +46,7 @@ from harbor.environments.tar_transfer import extract_dir
 from harbor.models.task.config import NetworkMode, TaskOS
 from harbor.models.trial.paths import EnvironmentPaths
 
-from ds_ttt.data.sandbox import CommandResult, Sandbox, SandboxError, isolation_problem
+from ds_ttt.sandbox import CommandResult, Sandbox, SandboxError, isolation_problem
 
 DEFAULT_WORKDIR = "/app"
 HOME = "/root"

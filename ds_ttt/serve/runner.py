@@ -4,7 +4,7 @@
         [--setup-dir DIR] [--max-rounds 20] [--timeout 10] [--temperature 0] [--max-new-tokens 512] [--keep] \
         [--device cpu] [--attention-backend {auto,reference,cpu,cuda}] [--no-isolation] [--no-cgroup-caps]
 
-Each command runs through `ds_ttt.data.sandbox.Sandbox`, the generator's own sandbox, so the
+Each command runs through `ds_ttt.sandbox.Sandbox`, the generator's own sandbox, so the
 observations look exactly like the training data: one persistent bash per episode (a `cd`, an
 `export` or a background job carries over to the next call) in a bubblewrap sandbox with no network,
 an unprivileged uid, only its own size-capped working directory (`/app`, also HOME) and /tmp writable,
@@ -27,7 +27,7 @@ import json
 import sys
 from pathlib import Path
 
-from ds_ttt.data.sandbox import Sandbox, format_observation
+from ds_ttt.sandbox import Sandbox, format_observation
 
 
 class BashToolRunner:

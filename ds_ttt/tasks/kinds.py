@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ds_ttt.data import families as fam
+from ds_ttt.data import family_common as common
 from ds_ttt.data import shell_families as shell
 from ds_ttt.data.generator import Episode
-from ds_ttt.data.sandbox import Sandbox
+from ds_ttt.sandbox import Sandbox
 from ds_ttt.tasks import checks as ck
 
 
@@ -191,24 +192,24 @@ def _memory_world_heldout(rng: random.Random) -> TaskSpec:
 
 
 def _port_question(rng: random.Random) -> TaskSpec:
-    svc = rng.choice(fam.SERVICES)
+    svc = rng.choice(common.SERVICES)
     port = str(rng.randint(20000, 65000))
     cfg_dir = rng.choice(["config", "etc", "conf"])
     files = [(f"{cfg_dir}/{svc}.ini", f"[{svc}]\nhost = 127.0.0.1\nport = {port}\nworkers = {rng.randint(2, 16)}\n", 0o644),
              (f"{cfg_dir}/defaults.ini", "[defaults]\nport = 8080\n", 0o644),
-             ("logs/boot.log", fam._lines(rng, 3, "boot: "), 0o644)]
+             ("logs/boot.log", common.random_lines(rng, 3, "boot: "), 0o644)]
     return TaskSpec(f"On which port does the {svc} service listen? Its settings are in this directory. "
                     "Put just the number in port.txt.", files, [ck.file_equals("port.txt", port)],
                     [f"ls {cfg_dir}", f"grep '^port' {cfg_dir}/{svc}.ini | cut -d' ' -f3 > port.txt"])
 
 
 def _line_total(rng: random.Random) -> TaskSpec:
-    names = sorted(set(rng.sample(fam.WORDS, rng.randint(2, 4))))
+    names = sorted(set(rng.sample(common.WORDS, rng.randint(2, 4))))
     files, total = [], 0
     for n in names:
         k = rng.randint(1, 9)
         total += k
-        files.append((f"notes/{n}.txt", fam._lines(rng, k), 0o644))
+        files.append((f"notes/{n}.txt", common.random_lines(rng, k), 0o644))
     files.append(("notes/README.md", "# notes\nnot a note\n", 0o644))
     return TaskSpec("How many lines do the .txt files in notes/ have together? Write the number (digits only) "
                     "to total.txt.", files, [ck.file_equals("total.txt", str(total))],
@@ -217,7 +218,7 @@ def _line_total(rng: random.Random) -> TaskSpec:
 
 def _capture_script(rng: random.Random) -> TaskSpec:
     name = rng.choice(["report.sh", "summary.sh", "check.sh"])
-    printed = [f"{fam._name(rng)}: {rng.randint(1, 99)}" for _ in range(rng.randint(2, 4))]
+    printed = [f"{common.random_name(rng)}: {rng.randint(1, 99)}" for _ in range(rng.randint(2, 4))]
     script = "#!/bin/sh\n" + "".join(f'echo "{line}"\n' for line in printed)
     expected = "\n".join(printed)
     out = name.replace(".sh", ".txt")

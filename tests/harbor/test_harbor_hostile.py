@@ -59,7 +59,7 @@ def test_every_trial_runs_in_a_cgroup_of_its_own_unless_declined(harbor_python, 
     """The resource attacks of tests/unit/hostile.py run against the same `Sandbox` in
     test_sandbox_hostile.py; here: a Harbor trial's commands (exec and the persistent shell) are members
     of the trial's own cgroup, whose caps that suite checks; `--ek cgroup_caps=none` declines it."""
-    from ds_ttt.data.sandbox import cgroup_problem
+    from ds_ttt.sandbox import cgroup_problem
 
     if cgroup_caps == "required" and cgroup_problem() is not None:
         pytest.skip(f"no cgroup can be made here: {cgroup_problem()}")
@@ -81,8 +81,12 @@ def test_every_trial_runs_in_a_cgroup_of_its_own_unless_declined(harbor_python, 
 
 def test_the_old_environment_is_caught_escaping(harbor_python, tmp_path):
     old = tmp_path / "old_harbor_env.py"
-    old.write_text(subprocess.run(["git", "show", f"{OLD_ENV_COMMIT}:ds_ttt/serve/harbor_env.py"], cwd=REPO,
-                                  capture_output=True, text=True, check=True).stdout)
+    text = subprocess.run(["git", "show", f"{OLD_ENV_COMMIT}:ds_ttt/serve/harbor_env.py"], cwd=REPO,
+                          capture_output=True, text=True, check=True).stdout
+    # it imported the sandbox's environment variables from the module that is now ds_ttt/sandbox/shell.py
+    old_import = "from ds_ttt.data.sandbox import SANDBOX_ENV"
+    assert old_import in text
+    old.write_text(text.replace(old_import, "from ds_ttt.sandbox.shell import SANDBOX_ENV"))
     with HostTargets() as targets:
         got = probe(harbor_python, tmp_path, targets, ["chroot_escape", "read_host_files"], env_file=old)
         assert "the secret token appeared in the output" in targets.failures(got["chroot_escape"]["exec"]), got

@@ -15,7 +15,7 @@ import pytest
 
 from ds_ttt.data.families import MEMORY_POOLS
 from ds_ttt.data.generator import FAMILY_NAMES, generate, generate_memory_world, generate_one, write_outputs
-from ds_ttt.data.sandbox import Sandbox, network_isolation_available
+from ds_ttt.sandbox import Sandbox, network_isolation_available
 from ds_ttt.data.schema import normalize_trajectory
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,14 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from ds_ttt.data import sandbox as sandbox_mod
 from ds_ttt.data.cli import generate_main
 from ds_ttt.data.generator import generate
-from ds_ttt.data.sandbox import MAX_OUTPUT_BYTES, CommandResult, Sandbox, SandboxError, format_observation
+from ds_ttt.sandbox import CommandResult, Sandbox, SandboxError, format_observation, probe
+from ds_ttt.sandbox.files import remove_tree
+from ds_ttt.sandbox.shell import MAX_OUTPUT_BYTES
 from ds_ttt.serve.runner import BashToolRunner
 
-needs_bwrap = pytest.mark.skipif(not sandbox_mod.network_isolation_available(),
-                                 reason=f"bubblewrap sandbox unavailable here: {sandbox_mod.isolation_problem()}")
+needs_bwrap = pytest.mark.skipif(not probe.network_isolation_available(),
+                                 reason=f"bubblewrap sandbox unavailable here: {probe.isolation_problem()}")
 
 
 def bash_call(command: str) -> dict:
@@ -33,7 +34,7 @@ def bash_call(command: str) -> dict:
 
 @pytest.fixture()
 def no_bwrap_here(monkeypatch):
-    monkeypatch.setattr(sandbox_mod, "isolation_problem", lambda: "simulated: bwrap cannot create namespaces")
+    monkeypatch.setattr(probe, "isolation_problem", lambda: "simulated: bwrap cannot create namespaces")
 
 
 # ---------------------------------------------------------------- refusal
@@ -70,14 +71,14 @@ def test_generator_refuses_and_records_the_isolation_used(no_bwrap_here, tmp_pat
 
 def test_real_probe_without_bwrap_on_path(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap here
-    sandbox_mod.isolation_problem.cache_clear()
+    probe.isolation_problem.cache_clear()
     try:
-        assert sandbox_mod.isolation_problem() == "`bwrap` is not on PATH"
+        assert probe.isolation_problem() == "`bwrap` is not on PATH"
         with pytest.raises(SandboxError, match="bwrap.*not on PATH.*apt-get install bubblewrap.*--no-isolation"):
             Sandbox()
     finally:
         monkeypatch.undo()
-        sandbox_mod.isolation_problem.cache_clear()
+        probe.isolation_problem.cache_clear()
 
 
 def test_bad_choices_are_refused():
@@ -98,8 +99,8 @@ def test_default_isolation_is_recorded():
 # ---------------------------------------------------------------- the persistent shell
 @pytest.mark.parametrize("isolation", ["required", "none"])
 def test_state_carries_over_and_output_is_exact(isolation):
-    if isolation == "required" and not sandbox_mod.network_isolation_available():
-        pytest.skip(f"bubblewrap sandbox unavailable here: {sandbox_mod.isolation_problem()}")
+    if isolation == "required" and not probe.network_isolation_available():
+        pytest.skip(f"bubblewrap sandbox unavailable here: {probe.isolation_problem()}")
     with Sandbox(timeout=5, isolation=isolation) as sb:
         sb.write("sub/notes.txt", "a\nb\n")
         assert sb.run("echo ${OLDPWD-unset}").output == "unset\n"  # the driver's own cd left no trace
@@ -182,7 +183,7 @@ def test_keep_exports_the_writable_directories(tmp_path):
     assert (root / "a.txt").read_text() == "A\n" and (root / "d" / "b.txt").read_text() == "B\n"
     assert os.readlink(root / "d" / "l") == "/etc/passwd"  # kept as a link, never followed
     assert (sb.fs_root / "tmp" / "t").read_text() == "T\n"
-    sandbox_mod.remove_tree(parent)
+    remove_tree(parent)
 
 
 def tempfile_dir() -> str:

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from ds_ttt.data import cgroup_caps as cg
-from ds_ttt.data import sandbox as sandbox_mod
 from ds_ttt.data.cli import generate_main
 from ds_ttt.data.generator import generate
-from ds_ttt.data.sandbox import CommandResult, Sandbox, SandboxError, _tree, format_observation
+from ds_ttt.sandbox import CommandResult, Sandbox, SandboxError, format_observation, probe
+from ds_ttt.sandbox import caps as cg
+from ds_ttt.sandbox.kill import process_tree
 from ds_ttt.serve.runner import BashToolRunner
 
 REPO = Path(__file__).resolve().parents[2]
-needs_cgroups = pytest.mark.skipif(sandbox_mod.cgroup_problem() is not None,
-                                   reason=f"no cgroup can be made here: {sandbox_mod.cgroup_problem()}")
+needs_cgroups = pytest.mark.skipif(probe.cgroup_problem() is not None,
+                                   reason=f"no cgroup can be made here: {probe.cgroup_problem()}")
 SMALL = {"max_disk_bytes": 16 << 20, "max_scratch_bytes": 16 << 20, "max_episode_memory_bytes": 256 << 20,
          "isolation": "none"}  # "none": these tests are about the cgroup, which both isolations get
 # 300 MiB of touched memory held by a child of the shell (a 256 MiB cap kills it)
@@ -57,14 +57,14 @@ def gone(pid: int, wait_sec: float = 5.0) -> bool:
 @needs_cgroups
 @pytest.mark.parametrize("isolation", ["required", "none"])
 def test_caps_are_set_and_every_process_is_inside_before_the_first_command(isolation):
-    if isolation == "required" and not sandbox_mod.network_isolation_available():
+    if isolation == "required" and not probe.network_isolation_available():
         pytest.skip("bubblewrap unavailable here")
     with Sandbox(parent="/tmp", isolation=isolation, max_episode_memory_bytes=2 << 30, max_episode_processes=64,
                  max_episode_cpus=0.25) as sb:
         group = sb._cgroup
         assert sb.cgroup_caps == group.backend in ("cgroup-v1", "cgroup-v2", "systemd")
         res = sb.run("cat /proc/self/cgroup; echo $$")
-        tree = {pid for pid, _start in _tree(sb._proc.pid)} | {sb._proc.pid}
+        tree = {pid for pid, _start in process_tree(sb._proc.pid)} | {sb._proc.pid}
         assert tree - {os.getpid()} <= members(group), (tree, members(group))  # bwrap, PID 1, the shell, `cat`'s shell
         if group.backend == "cgroup-v1":
             d = group.dirs
@@ -156,7 +156,7 @@ def test_the_cgroup_is_removed_after_kills_and_takes_escaped_processes_with_it()
     assert res.timed_out
     escaped = int(res.output.split()[0])
     try:
-        assert escaped not in {pid for pid, _ in _tree(sb._proc.pid)} and escaped in members(sb._cgroup)
+        assert escaped not in {pid for pid, _ in process_tree(sb._proc.pid)} and escaped in members(sb._cgroup)
         dirs = sb._cgroup._dirs()
     finally:
         sb.close()
@@ -172,9 +172,9 @@ def no_cgroups_here(monkeypatch, tmp_path):
     empty.chmod(0o555)
     monkeypatch.setattr(cg, "CGROUP_ROOT", str(empty))
     monkeypatch.setattr(cg, "_systemd_available", lambda: False)
-    sandbox_mod.cgroup_problem.cache_clear()
+    probe.cgroup_problem.cache_clear()
     yield empty
-    sandbox_mod.cgroup_problem.cache_clear()
+    probe.cgroup_problem.cache_clear()
 
 
 def test_without_a_cgroup_the_sandbox_refuses_with_the_fix(no_cgroups_here, tmp_path):
@@ -218,7 +218,7 @@ def test_the_generator_records_the_cgroup_it_used(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become uid 65534")
 def test_an_unprivileged_user_without_delegation_is_refused_for_real():
     """uid 65534 cannot create a cgroup under this machine's hierarchies: the sandbox says so and how to fix it."""
-    code = ("import os\nfrom ds_ttt.data.sandbox import Sandbox, SandboxError\n"
+    code = ("import os\nfrom ds_ttt.sandbox import Sandbox, SandboxError\n"
             "os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)\n"  # after the imports
             "try:\n Sandbox(parent='/tmp', isolation='none'); print('MADE')\n"
             "except SandboxError as e: print(e)\n"

@@ -27,15 +27,15 @@ import time
 
 import pytest
 
-from ds_ttt.data import sandbox as sandbox_mod
-from ds_ttt.data.sandbox import Sandbox, _tree, format_observation
+from ds_ttt.sandbox import Sandbox, format_observation, probe, shell
+from ds_ttt.sandbox.kill import process_tree
 from ds_ttt.serve.runner import BashToolRunner
 
 from hostile import (ATTACKS, RESOURCE_ATTACKS, RESOURCE_LIMITS, WRITABLE_MOUNTS, HostTargets, ResourceWatch, command,
                      extra_check)
 
-pytestmark = pytest.mark.skipif(not sandbox_mod.network_isolation_available(),
-                                reason=f"bubblewrap sandbox unavailable here: {sandbox_mod.isolation_problem()}")
+pytestmark = pytest.mark.skipif(not probe.network_isolation_available(),
+                                reason=f"bubblewrap sandbox unavailable here: {probe.isolation_problem()}")
 LIMITS = {"max_disk_bytes": 64 << 20, "max_scratch_bytes": 16 << 20, "max_file_bytes": 32 << 20}
 TIMEOUT = 8.0
 
@@ -88,7 +88,7 @@ def test_attack_fails(place, attack, targets):
     def watch():  # the sandbox's process count, seen from the host
         while not stop.is_set():
             if p.sb._proc is not None:
-                peak[0] = max(peak[0], len(_tree(p.sb._proc.pid)))
+                peak[0] = max(peak[0], len(process_tree(p.sb._proc.pid)))
             time.sleep(0.01)
 
     watcher = threading.Thread(target=watch)
@@ -101,10 +101,10 @@ def test_attack_fails(place, attack, targets):
         # the sandbox kills the bomb's processes when the command ends; their exits are reaped
         # asynchronously, so wait (bounded) for the count to settle before judging it
         deadline = time.monotonic() + 10.0
-        left = len(_tree(p.sb._proc.pid))
+        left = len(process_tree(p.sb._proc.pid))
         while left > 3 and time.monotonic() < deadline:
             time.sleep(0.1)
-            left = len(_tree(p.sb._proc.pid))
+            left = len(process_tree(p.sb._proc.pid))
     finally:
         stop.set()
         watcher.join()
@@ -113,11 +113,11 @@ def test_attack_fails(place, attack, targets):
     assert extra_check(attack, out), out[-3000:]
     assert after.startswith("alive"), after  # the sandbox still answers
     if attack == "fork_bomb":
-        assert peak[0] <= sandbox_mod.MAX_PROCESSES + 2, peak[0]  # + bwrap's PID 1 and nothing else
+        assert peak[0] <= shell.MAX_PROCESSES + 2, peak[0]  # + bwrap's PID 1 and nothing else
         assert "Resource temporarily unavailable" in out or "retry" in out, out[-2000:]
         assert left <= 3, left  # the bomb is gone: PID 1, the shell (and `echo`'s leftovers none)
     if attack == "output_flood":
-        assert took < 5.0 and "HOSTILE_FLOOD" in out and len(out) <= sandbox_mod.MAX_OUTPUT_BYTES + 200
+        assert took < 5.0 and "HOSTILE_FLOOD" in out and len(out) <= shell.MAX_OUTPUT_BYTES + 200
     if attack == "disk_fill":
         assert "No space left on device" in out, out[-2000:]
         used_kib = re.search(r"^tmpfs\s+\d+\s+(\d+)\s+\d+\s+\d+%\s+/app$", out, re.M)
@@ -142,14 +142,14 @@ def test_the_suite_can_fail(targets):
 def test_a_background_fork_bomb_never_outlives_its_command():
     """A bomb still below the process limit when its command ends used to grow afterwards, keep its
     processes and print its "fork: retry" noise into the next commands (the old 90% check, once)."""
-    from ds_ttt.data.sandbox import Sandbox
+    from ds_ttt.sandbox import Sandbox
 
     with Sandbox(parent="/tmp") as sb:
         for _ in range(4):
             sb.run(":(){ :|:& };: ; sleep 0.5; echo done", timeout=5)
             after = sb.run("echo alive", timeout=5)
             assert after.output == "alive\n", after.output[:200]
-            assert len(_tree(sb._proc.pid)) <= 3
+            assert len(process_tree(sb._proc.pid)) <= 3
 
 
 
@@ -175,14 +175,14 @@ def test_the_hosts_kills_leave_no_job_notices_in_the_next_command(stop):
             assert says(res), (res.output, res.process_limit_hit, res.timed_out)
             after = sb.run("echo alive")
             assert after.output == "alive\n", after.output[:400]
-            assert len(_tree(sb._proc.pid)) <= 2
+            assert len(process_tree(sb._proc.pid)) <= 2
 
 
 def test_a_late_reap_answer_is_skipped_not_misread(monkeypatch):
     """On a loaded machine the shell can answer the reap after the host stopped waiting for it (CI, load
     20 during the fork-bomb tests: the first reap treated that as a dead shell and stopped the sandbox).
     A late answer must cost nothing: the next command gets its own status and output, no restart."""
-    monkeypatch.setattr(sandbox_mod, "KILL_GRACE_SEC", 0.0)  # the host never waits for the answer
+    monkeypatch.setattr(shell, "KILL_GRACE_SEC", 0.0)  # the host never waits for the answer
     with Sandbox(parent="/tmp", max_processes=32, timeout=TIMEOUT) as sb:
         for _ in range(3):
             assert sb.run(STOPS["process limit"][0]).process_limit_hit

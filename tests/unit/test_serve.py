@@ -225,7 +225,7 @@ def test_bash_runner_sandbox_timeouts_and_errors():
 
 
 def test_bash_runner_isolation_is_required_unless_declined():
-    from ds_ttt.data.sandbox import SandboxError, isolation_problem
+    from ds_ttt.sandbox import SandboxError, isolation_problem
 
     problem = isolation_problem()
     if problem is None:

@@ -343,7 +343,7 @@ def test_trimmed_export_loads_in_evaluation_memory_test_service_runner_and_http(
     assert [r["ok"] for r in out] == [True, True, True], out
     assert out[1]["result"]["message"]["tool_calls"][0]["function"]["name"] == "bash" and out[2]["result"]["updated"]
     # the runner: the model's bash calls run in the sandbox
-    from ds_ttt.data.sandbox import cgroup_problem, isolation_problem
+    from ds_ttt.sandbox import cgroup_problem, isolation_problem
 
     isolated, capped = isolation_problem() is None, cgroup_problem() is None
     proc = subprocess.run([sys.executable, "-m", "ds_ttt.serve.runner", "--model", str(export), "--task", "List the files.",

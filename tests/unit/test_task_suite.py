@@ -12,7 +12,7 @@ import tomllib
 
 import pytest
 
-from ds_ttt.data.sandbox import Sandbox
+from ds_ttt.sandbox import Sandbox
 from ds_ttt.evaluation.closed_loop import score_outcome, verify_task
 from ds_ttt.tasks import checks as ck
 from ds_ttt.tasks.kinds import KINDS

@@ -1,48 +1,25 @@
-"""The one sandbox in which model-written and scripted bash commands run: bubblewrap plus a persistent shell.
+"""One episode's sandbox as an object: its process, its persistent shell, its files, its commands (`Shell`).
 
-    with Sandbox(timeout=5.0) as sb:                  # refuses (SandboxError) without a working `bwrap`
-        sb.write("notes.txt", "hello\\n")            # lands in /app/notes.txt inside
-        sb.run("cd sub 2>/dev/null; export N=3")       # one bash per episode: cd, variables, jobs carry over
-        result = sb.run("wc -l notes.txt; echo $N")    # CommandResult(output, exit_code, timed_out, ...)
-    Sandbox(isolation="none")                          # an explicit choice to run without it (--no-isolation)
+    with Shell(timeout=5.0) as sb:      # what `ds_ttt.sandbox.Sandbox` is, less probing the isolation first
+        sb.write("notes.txt", "hi\\n")   # lands in /app/notes.txt inside
+        sb.run("cd sub; export N=3")     # CommandResult (result.py); state carries over to the next run()
+        sb.run_fresh("ls", cwd="/app")   # a new bash in the same sandbox, stdout and stderr apart
 
-Used by the trajectory generator (`generator.py`), the serve runner (`ds_ttt/serve/runner.py`) and the
-Harbor environment (`ds_ttt/serve/harbor_env.py`). docs/sandbox.md says what it protects against and
-what it does not; tests/unit/test_sandbox_hostile.py (and tests/harbor/ for Harbor) is the attack suite
-behind those claims.
+The pieces it puts together, one module each: bwrap.py (the bubblewrap command line), supervisor.py (the
+shell code inside), protocol.py (requests and status lines), kill.py (the process tree, killing),
+caps.py (the episode's cgroup), files.py (the host side of its directory), result.py (what a command
+returns), refusal.py (the choices and `SandboxError`).
 
-What `bwrap` (bubblewrap) builds:
-
-  bwrap --unshare-all --unshare-user --disable-userns --die-with-parent --new-session --cap-drop ALL
-        --as-pid-1 --uid 1000 --gid 1000 --ro-bind /usr /usr (+ /bin /lib /lib64 /sbin as on the host)
-        --ro-bind /etc /etc (/etc/passwd, /etc/group: the sandbox's own) --proc /proc --dev /dev
-        --tmpfs /dev/shm --tmpfs /run --tmpfs WORKDIR --tmpfs /tmp --tmpfs /var/tmp [--tmpfs HOME, dirs]
-        --remount-ro / -- bash SUPERVISOR
-
-No network (a fresh network namespace with only its own loopback; abstract Unix sockets belong to it
-too), an unprivileged uid 1000 without capabilities or further user namespaces, NO_NEW_PRIVS (setuid
-bits do nothing), a private PID namespace (no host process is visible), and no host path except the
-read-only system directories: host homes, the project checkout, host sockets and other sandboxes do
-not exist inside. The writable places are size-capped tmpfs mounts private to the sandbox (the
-working directory `/app` by default, HOME = the working directory unless given, /tmp, /var/tmp,
-/dev/shm, /run, and `dirs`); everything else is read-only. So "disk" is memory, bounded by the
-mounts' sizes. When the caller is root, bwrap itself runs as uid 65534, because the kernel never
-enforces the process limit for the host's root.
+The persistent shell (supervisor.py): every command runs in one bash per episode, so `cd`, `export`,
+functions and background jobs carry over. At the timeout or the output cap every process the command
+started is killed (the host walks the sandbox's process tree, sparing the shell and jobs of earlier
+commands) and the shell lives on. If the shell itself is what runs (a builtin loop), or it exited
+(`exit 3`: exit code 3), the supervisor starts a new shell in the same sandbox: the files stay, the
+working directory, variables and jobs do not, and the observation says so.
 
 The host reaches the files only through the sandbox (`write`, `put`, `put_tree`, `read`, `get_tree`:
 cat/tar run inside, so a link made by a command cannot redirect a host read or write); `keep=True`
 exports the writable directories into BASE/root on close (`sb.root` is then the working directory's copy).
-
-The persistent shell. bash runs as PID 1 of the sandbox (the SUPERVISOR: PID 1 ignores every signal
-sent from inside, so no command can end the sandbox) and starts the DRIVER, the episode's shell. The
-host sends each command NUL-terminated on the shell's stdin; the shell `eval`s it in itself (stdin
-/dev/null, stderr merged into stdout), then writes `$?` to a separate status pipe. So `cd`, `export`,
-functions and background jobs carry over, the output is exactly the command's bytes, and the exit
-code is exact. At the timeout or the output cap every process the command started is killed (the
-host walks the sandbox's process tree, sparing the shell and jobs of earlier commands) and the shell
-lives on. If the shell itself is what runs (a builtin loop), or it exited (`exit 3`: exit code 3), the
-supervisor starts a new shell in the same sandbox: the files stay, the working directory, variables
-and jobs do not, and the observation says so.
 
 Limits: at most `max_processes` processes (RLIMIT_NPROC, counted in the sandbox's own user
 namespace), `max_memory_bytes` of address space per process (RLIMIT_AS), `max_file_bytes` per file
@@ -54,7 +31,7 @@ per-process rlimits but not the process limit, and nothing else: commands run as
 host directory BASE/root (/app is BASE/root/app), with the host's files, network and process table.
 
 The whole episode (every process of the sandbox, whatever it forks) is also a cgroup of its own
-(`cgroup_caps.py`: v2, v1 or a systemd scope), made with the sandbox and removed at close: at most
+(caps.py: v2, v1 or a systemd scope), made with the sandbox and removed at close: at most
 `max_episode_memory_bytes` of memory (tmpfs files included, no swap beyond it), `max_episode_processes`
 tasks and `max_episode_cpus` cores of CPU time. When the kernel kills a process at the memory cap
 during a command, the command is stopped as at a timeout and the result says so (`memory_limit_hit`,
@@ -68,25 +45,27 @@ Where no cgroup can be made the sandbox refuses; `cgroup_caps="none"` is the exp
 
 from __future__ import annotations
 
-import errno
 import fcntl
-import functools
 import io
 import os
 import select
 import shlex
-import shutil
 import signal
-import socket
-import stat
 import subprocess
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Self
 
-from .cgroup_caps import CgroupCaps, CgroupError, EpisodeCgroup, create_episode_cgroup
+from .bwrap import GROUP_TEXT, HOST_UID_FOR_ROOT, SYSTEM_TMPFS_BYTES, XFER_INSIDE, bwrap_argv, bwrap_path, check_reachable, passwd_text
+from .caps import CgroupCaps, CgroupError, EpisodeCgroup, create_episode_cgroup
+from .files import export_filter, remove_tree
+from .kill import inner_pid, kill_all, kill_group, kill_rounds, process_tree, start_time
+from .protocol import REAP_REQUEST, StatusReader, drain, encode_request
+from .refusal import CGROUP_CAPS_CHOICES, ISOLATION_CHOICES, SandboxError, cgroup_refusal, isolation_refusal
+from .result import CommandResult
+from .supervisor import RUN_FUNCTION, shell_argv, ulimits
 
 SANDBOX_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -96,241 +75,33 @@ SANDBOX_ENV = {
     "TZ": "UTC",
     "SHELL": "/bin/bash",
 }
-ISOLATION_CHOICES = ("required", "none")
-CGROUP_CAPS_CHOICES = ("required", "none")  # "none": no per-episode cgroup (--no-cgroup-caps), recorded
-INSTALL_HINT = "apt-get install bubblewrap (setup.sh does this)"
 WORKDIR = "/app"
-SANDBOX_UID = 1000  # the uid inside; it has no capabilities
-HOST_UID_FOR_ROOT = 65534  # bwrap runs as this uid when the caller is root (the kernel exempts root from RLIMIT_NPROC)
 MAX_OUTPUT_BYTES = 1 << 20  # what the host reads of one command's output before killing it
 MAX_PROCESSES = 256  # RLIMIT_NPROC inside (threads count)
 BOMB_FRACTION = 0.25  # leftover processes at or above this share of MAX_PROCESSES are killed as a fork bomb
 LIMIT_RECHECK_SEC = 0.02  # a background bomb below the limit when its command ends is there this much later
-KILL_ROUNDS_SEC = 3.0  # how long a command's leftover processes are stopped and killed, round after round
 MAX_FILE_BYTES = 256 << 20  # RLIMIT_FSIZE: the largest file a command may write
 MAX_MEMORY_BYTES = 4 << 30  # RLIMIT_AS per process
 MAX_CPU_SECONDS = 600  # RLIMIT_CPU per process
 MAX_DISK_BYTES = 1 << 30  # the working directory's tmpfs
 MAX_SCRATCH_BYTES = 256 << 20  # each other writable tmpfs (/tmp, /var/tmp, HOME, dirs)
-SYSTEM_TMPFS_BYTES = 64 << 20  # /dev/shm and /run
-# The episode's cgroup (ds_ttt/data/cgroup_caps.py), sized for a 2-core 24 GiB machine running a few at once
+# The episode's cgroup (caps.py), sized for a 2-core 24 GiB machine running a few at once
 EPISODE_MEMORY_BYTES = 4 << 30  # RAM of the whole tree, tmpfs files included; no swap beyond it
 EPISODE_PROCESSES = MAX_PROCESSES + 16  # pids.max: RLIMIT_NPROC stops a bomb first; this also holds without it
 EPISODE_CPUS = 1.0  # CPU time per wall second, all its processes together: one of the two cores
 MEMORY_HEADROOM_BYTES = 64 << 20  # the memory cap must exceed the full tmpfs mounts by this (a shell must still run)
 OOM_POLL_SEC = 0.05  # while a command runs, how often the host looks for an OOM kill in the cgroup
 MAX_TRANSFER_BYTES = 1 << 30  # read() / get_tree()
-SYSTEM_DIRS = ("usr", "etc")  # bound read-only
-SYSTEM_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")  # merged-/usr links, or read-only binds
 KILL_GRACE_SEC = 2.0  # after a kill, how long the shell has to report
-_READ_CHUNK = 1 << 16
-
-# PID 1: moves the status / stderr pipes to fds 3 / 4, then runs the episode's shell, again each time it ends.
-SUPERVISOR = ('exec 3>&{st} 4>&{err} {st}>&- {err}>&- 5>&2 2>/dev/null; '  # its own messages ("Killed ...") go nowhere
-              'while :; do bash --noprofile --norc -c "$1" bash 2>&5 5>&-; builtin printf \'exit %d\\n\' "$?" >&3; done')
-RUN_FUNCTION = '__ds_run() { builtin eval "$__ds_cmd"; }\n'
-# The episode's shell.
-# Requests arrive NUL-terminated on stdin: a kind ("shell": eval here; "fresh": in a subshell, stderr on
-# fd 4) and a command. The status goes to fd 3; a command never holds fds 3, 4 or the request pipe.
-DRIVER = ("{limits}; builtin printf 'ready %d\\n' $$ >&3; "
-          # at a timeout the host sends SIGUSR1 before killing the command's processes: the trap returns
-          # from __ds_run, so the rest of the command line is abandoned (as Ctrl-C would in a terminal)
-          "trap 'builtin return 130 2>/dev/null' USR1; "
-          # __ds_run comes from a file named `bash` (RUN_FUNCTION), so errors read `bash: x: command not found`
-          # as in an interactive terminal (a function defined here would be reported as `environment: line 1`)
-          "__o=$PWD; builtin cd {xfer} && shopt -u sourcepath && builtin source bash && shopt -s sourcepath; "
-          "builtin cd \"$__o\"; unset OLDPWD __o; "
-          "while builtin read -r -d '' __ds_kind && builtin read -r -d '' __ds_cmd; do "
-          "if [ \"$__ds_kind\" = shell ]; then { __ds_run; } </dev/null 2>&1 3>&- 4>&-; "
-          # "reap" (no command): after the host killed jobs of an earlier command, bash's own notices of
-          # their deaths ("Killed  sleep 30") are written here, to /dev/null, not into the next command
-          # (its answer is "reaped 0", never a command's status: a late one is skipped, not misread)
-          "elif [ \"$__ds_kind\" = reap ]; then { builtin jobs; } >/dev/null 2>&1; "
-          "builtin printf 'reaped 0\\n' >&3; continue; "
-          "else ( builtin eval \"$__ds_cmd\" ) </dev/null 2>&4 3>&- 4>&-; fi; "
-          "builtin printf '%d\\n' \"$?\" >&3; done")
 
 
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (not the command): bwrap missing or broken, or its setup failed."""
+class Shell:
+    """One episode's sandbox: bwrap, one persistent bash, `run(command)`, without probing first.
 
-
-@dataclass
-class CommandResult:
-    command: str
-    output: str
-    exit_code: int
-    timed_out: bool = False
-    output_truncated: bool = False  # the output passed max_output_bytes: the command was killed there
-    output_bytes: int = 0  # bytes of output the host read (at most max_output_bytes + one chunk)
-    shell_restarted: bool = False  # the shell exited or had to be killed: a new one started in the same sandbox
-    files_lost: bool = False  # the whole sandbox had to be restarted: its files are gone
-    stderr: str = ""  # only for run_fresh (Harbor's exec); run() merges stderr into output
-    raw: bytes = b""  # the output's bytes (for binary transfers)
-    process_limit_hit: bool = False  # the command left the sandbox at its process limit: its processes were killed
-    memory_limit_hit: bool = False  # the kernel killed a process at the episode's memory cap during the command: the command was stopped (exit code 137), unless its line finished before the host saw the kill
-    memory_limit_earlier: bool = False  # ... since the previous command (a background job was killed there)
-    memory_limit_bytes: int = 0  # the episode's memory cap (for the note), 0 without a cgroup
-
-
-def bwrap_path() -> str | None:
-    return shutil.which("bwrap")
-
-
-def _refuse_text(problem: str) -> str:
-    return (f"the sandbox is unavailable here: {problem}. Install bubblewrap ({INSTALL_HINT}). To run commands "
-            f"without it, with this machine's network, files and process table, pass --no-isolation "
-            f"(data_prep/generate.py, the serve runner) or Sandbox(isolation='none') / generate(..., isolation='none').")
-
-
-@functools.lru_cache(maxsize=1)
-def isolation_problem() -> str | None:
-    """None when bubblewrap sandboxes work here, else why not (probed once per process).
-
-    The probe starts a real sandbox and checks that / is read-only inside, the working directory
-    writable, the uid SANDBOX_UID, and a TCP port listening on the host's 127.0.0.1 unreachable."""
-    if bwrap_path() is None:
-        return "`bwrap` is not on PATH"
-    listener = socket.socket()
-    try:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port = listener.getsockname()[1]
-        try:
-            with Sandbox(timeout=10.0, _probe=True) as sb:
-                res = sb.run(f"touch /app/probe; touch /probe; id -u; "
-                             f"(exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo REACHABLE; true")
-                if res.exit_code != 0:
-                    return f"the probe command exited {res.exit_code}: {res.output.strip()[:300]}"
-                if "/probe': Read-only file system" not in res.output:
-                    return f"/ is writable inside the sandbox: {res.output.strip()[:300]}"
-                if f"\n{SANDBOX_UID}\n" not in res.output:
-                    return f"the uid inside the sandbox is not {SANDBOX_UID}: {res.output.strip()[:300]}"
-                if "REACHABLE" in res.output:
-                    return "the host's 127.0.0.1 is reachable from inside the sandbox"
-                if sb.read("/app/probe") != b"":
-                    return "a file written inside the sandbox cannot be read back"
-        except SandboxError as e:
-            return str(e)
-        return None
-    finally:
-        listener.close()
-
-
-def network_isolation_available() -> bool:
-    """True when bubblewrap sandboxes (network isolation included) work here."""
-    return isolation_problem() is None
-
-
-def isolation_refusal(problem: str) -> str:
-    return _refuse_text(problem)
-
-
-def resolve_isolation(isolation: str) -> str:
-    """What a sandbox will use for the choice `isolation`: "bwrap" or "none". Raises `SandboxError`
-    (why, the install command, --no-isolation) when "required" cannot be had, ValueError on a bad choice."""
-    if isolation not in ISOLATION_CHOICES:
-        raise ValueError(f"isolation={isolation!r}: choose one of {ISOLATION_CHOICES}")
-    if isolation == "none":
-        return "none"
-    problem = isolation_problem()
-    if problem is not None:
-        raise SandboxError(_refuse_text(problem))
-    return "bwrap"
-
-
-def cgroup_refusal(problem: str) -> str:
-    return f"the sandbox cannot cap the episode's memory, processes and CPU here: {problem}"
-
-
-@functools.lru_cache(maxsize=1)
-def cgroup_problem() -> str | None:
-    """None when a per-episode cgroup can be made here, else why not and the fix (probed once per process)."""
-    try:
-        group = create_episode_cgroup(f"ds_ttt_probe_{os.getpid()}_{time.monotonic_ns()}",
-                                      CgroupCaps(memory_bytes=64 << 20, processes=16, cpus=1.0))
-        group.remove()
-    except CgroupError as e:
-        return str(e)
-    return None
-
-
-def resolve_cgroup_caps(cgroup_caps: str) -> None:
-    """Refuse (SandboxError: why and the fix, --no-cgroup-caps among them) before any sandbox is made when
-    "required" caps cannot be had here; ValueError on a bad choice."""
-    if cgroup_caps not in CGROUP_CAPS_CHOICES:
-        raise ValueError(f"cgroup_caps={cgroup_caps!r}: choose one of {CGROUP_CAPS_CHOICES}")
-    if cgroup_caps == "required" and (problem := cgroup_problem()) is not None:
-        raise SandboxError(cgroup_refusal(problem))
-
-
-def remove_tree(path: Path) -> None:
-    """rmtree that also removes what a command made unreadable or read-only (chmod 000 dirs)."""
-    def fix(func, p, _exc):
-        try:
-            os.chmod(os.path.dirname(p), stat.S_IRWXU)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, stat.S_IRWXU)
-            func(p)
-        except OSError:
-            pass
-    shutil.rmtree(path, onerror=fix)
-
-
-def _tree(root_pid: int) -> list[tuple[int, int]]:
-    """(pid, start time) of root_pid's descendants, read from /proc/PID/task/*/children."""
-    out, stack = [], [root_pid]
-    while stack:
-        pid = stack.pop()
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            for k in kids:
-                out.append((k, _start_time(k)))
-                stack.append(k)
-    return out
-
-
-def _start_time(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def _inner_pid(pid: int) -> int | None:
-    """The PID that host process `pid` has in its innermost PID namespace (NSpid's last entry)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return int(line.split()[-1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _kill(procs, sig: int = signal.SIGKILL) -> None:
-    for pid, _start in procs:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-class Sandbox:
-    """One episode's sandbox: bwrap, one persistent bash, `run(command)`.
-
-    isolation: "required" (default) refuses with `SandboxError` when bwrap does not work here; "none"
-    runs the same shell without it. `self.isolation` is what is used ("bwrap" or "none"): record it.
+    Callers use `ds_ttt.sandbox.Sandbox`, which is this class with its `isolation` choice resolved by
+    probe.py; this one trusts that bwrap works, so that the probe itself can start a sandbox.
+    isolation: "required" (default) uses bwrap, "none" runs the same shell without it. `self.isolation`
+    is what is used ("bwrap" or "none").
     cgroup_caps: "required" (default) puts the whole episode in a cgroup of its own (memory with no swap
     beyond it, processes, CPU: `max_episode_*`) and refuses with `SandboxError` where none can be made;
     "none" runs without. `self.cgroup_caps` is what is used ("cgroup-v2", "cgroup-v1", "systemd" or
@@ -347,7 +118,7 @@ class Sandbox:
                  max_cpu_seconds: int = MAX_CPU_SECONDS, max_disk_bytes: int = MAX_DISK_BYTES,
                  max_scratch_bytes: int = MAX_SCRATCH_BYTES, cgroup_caps: str = "required",
                  max_episode_memory_bytes: int = EPISODE_MEMORY_BYTES, max_episode_processes: int = EPISODE_PROCESSES,
-                 max_episode_cpus: float = EPISODE_CPUS, _probe: bool = False):
+                 max_episode_cpus: float = EPISODE_CPUS):
         if max_output_bytes < 1:
             raise ValueError(f"max_output_bytes must be >= 1, got {max_output_bytes}")
         if cgroup_caps not in CGROUP_CAPS_CHOICES:
@@ -355,15 +126,15 @@ class Sandbox:
         for path in (workdir, home or "/", *dirs):
             if not PurePosixPath(path).is_absolute() or ".." in PurePosixPath(path).parts:
                 raise ValueError(f"sandbox paths must be absolute, without '..': got {path!r}")
-        self.isolation = "bwrap" if _probe else resolve_isolation(isolation)
+        self.isolation = self._settle_isolation(isolation)
         self._bwrap = bwrap_path()
         if self.isolation == "bwrap" and self._bwrap is None:
-            raise SandboxError(_refuse_text("`bwrap` is not on PATH"))
+            raise SandboxError(isolation_refusal("`bwrap` is not on PATH"))
         self._as_uid = HOST_UID_FOR_ROOT if (os.geteuid() == 0 and self.isolation == "bwrap") else None
         self.base = Path(tempfile.mkdtemp(prefix="ds_ttt_sbx_", dir=parent)).resolve()
         os.chmod(self.base, 0o711)  # bwrap (maybe as HOST_UID_FOR_ROOT) reads passwd/group/xfer; nobody lists BASE
         if self._as_uid is not None:
-            _check_reachable(self.base)
+            check_reachable(self.base)
         self.keep, self.timeout = keep, timeout
         self.max_output_bytes, self.max_processes = max_output_bytes, max_processes
         self.max_memory_bytes, self.max_file_bytes, self.max_cpu_seconds = max_memory_bytes, max_file_bytes, max_cpu_seconds
@@ -387,10 +158,8 @@ class Sandbox:
         (self.base / "xfer").mkdir(mode=0o755)  # uploads, bound read-only at /run/ds_ttt inside
         (self.base / "xfer" / "bash").write_text(RUN_FUNCTION)
         os.chmod(self.base / "xfer" / "bash", 0o644)
-        (self.base / "passwd").write_text(f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                                          f"agent:x:{SANDBOX_UID}:{SANDBOX_UID}:agent:{self.home}:/bin/bash\n"
-                                          "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
-        (self.base / "group").write_text(f"root:x:0:\nagent:x:{SANDBOX_UID}:\nnogroup:x:65534:\n")
+        (self.base / "passwd").write_text(passwd_text(self.home))
+        (self.base / "group").write_text(GROUP_TEXT)
         self._proc: subprocess.Popen | None = None
         self._seed = tarfile.open(fileobj=io.BytesIO(), mode="w")  # files written before the shell starts
         self._num_seeded = 0
@@ -399,8 +168,15 @@ class Sandbox:
         self._pending_note = (False, False)  # (shell restarted, files lost) to report with the next result
         self.num_restarts = 0
         self._oom_seen = 0  # the cgroup's OOM-kill count when the last result was made
-        if cgroup_caps == "required" and not _probe:
+        if cgroup_caps == "required":
             self._make_cgroup()
+
+    @staticmethod
+    def _settle_isolation(isolation: str) -> str:
+        """The isolation used for the choice, "bwrap" or "none", unprobed (`Sandbox` resolves it with probe.py)."""
+        if isolation not in ISOLATION_CHOICES:
+            raise ValueError(f"isolation={isolation!r}: choose one of {ISOLATION_CHOICES}")
+        return "none" if isolation == "none" else "bwrap"
 
     def _make_cgroup(self) -> None:
         """The episode's cgroup (caps in `self.caps`), made now so that a machine without cgroups refuses
@@ -430,7 +206,7 @@ class Sandbox:
         return self._cgroup.oom_kills() if self._cgroup is not None else 0
 
     def _inside_xfer(self) -> str:
-        return "/run/ds_ttt" if self.isolation == "bwrap" else str(self.base / "xfer")
+        return XFER_INSIDE if self.isolation == "bwrap" else str(self.base / "xfer")
 
     def _host(self, inside: str) -> Path:
         return self.fs_root / PurePosixPath(inside).relative_to("/")
@@ -441,30 +217,12 @@ class Sandbox:
 
     # ---- the process -----------------------------------------------------------------------------
     def _argv(self, st_fd: int, err_fd: int) -> list[str]:
-        limits = f"ulimit -c 0 -t {self.max_cpu_seconds} -f {self.max_file_bytes // 1024} -v {self.max_memory_bytes // 1024}"
-        if self.isolation == "bwrap":
-            limits += f" -u {self.max_processes}"
-        shell = ["bash", "--noprofile", "--norc", "-c", SUPERVISOR.replace("{st}", str(st_fd)).replace("{err}", str(err_fd)), "bash",
-                 DRIVER.replace("{limits}", limits).replace("{xfer}", shlex.quote(self._inside_xfer()))]
+        limits = ulimits(self.max_cpu_seconds, self.max_file_bytes, self.max_memory_bytes,
+                         self.max_processes if self.isolation == "bwrap" else None)
+        shell = shell_argv(st_fd, err_fd, limits, self._inside_xfer())
         if self.isolation == "none":
             return shell
-        argv = [self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-                "--new-session", "--cap-drop", "ALL", "--as-pid-1", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-                "--hostname", "sandbox"]
-        for name in SYSTEM_DIRS:
-            argv += ["--ro-bind", f"/{name}", f"/{name}"]
-        for name in SYSTEM_LINKS:
-            host = Path("/") / name
-            if host.is_symlink():
-                argv += ["--symlink", os.readlink(host), f"/{name}"]
-            elif host.is_dir():
-                argv += ["--ro-bind", str(host), f"/{name}"]
-        argv += ["--ro-bind", str(self.base / "passwd"), "/etc/passwd", "--ro-bind", str(self.base / "group"), "/etc/group",
-                 "--proc", "/proc", "--dev", "/dev", "--size", str(SYSTEM_TMPFS_BYTES), "--tmpfs", "/dev/shm",
-                 "--size", str(SYSTEM_TMPFS_BYTES), "--tmpfs", "/run", "--ro-bind", str(self.base / "xfer"), "/run/ds_ttt"]
-        for path, size in sorted(self.mounts.items(), key=lambda kv: len(PurePosixPath(kv[0]).parts)):
-            argv += (["--perms", "1777"] if path in ("/tmp", "/var/tmp") else []) + ["--size", str(size), "--tmpfs", path]
-        return argv + ["--remount-ro", "/", "--chdir", self.workdir, "--", *shell]
+        return bwrap_argv(self._bwrap, self.base, self.mounts, self.workdir) + shell
 
     def _start(self) -> None:
         """Start the sandbox, wait for the shell's `ready`, then copy in the files written so far."""
@@ -488,14 +246,14 @@ class Sandbox:
         for fd in (st_r, out_r, err_r):
             os.set_blocking(fd, False)
         self._requests, self._status, self._out, self._err = req_w, st_r, out_r, err_r
-        self._status_buf = b""
+        self._status_reader = StatusReader(st_r)
         kind, _value = self._next_status(time.monotonic() + 30.0)
         if kind != "ready":
             out = bytearray()
-            self._drain(self._out, out, 1 << 16)
+            drain(self._out, out, 1 << 16)
             self._stop()
             raise SandboxError(f"the sandbox did not start: {bytes(out).decode(errors='replace').strip()[:2000]}")
-        kids = _tree(self._proc.pid)
+        kids = process_tree(self._proc.pid)
         if self._cgroup is not None:
             # Every process of the sandbox so far (bwrap, its PID 1, the shell) joins the episode's cgroup
             # now: none has read a command yet, and whatever they start later is born inside it.
@@ -504,7 +262,7 @@ class Sandbox:
             except OSError as e:
                 self._stop()
                 raise SandboxError(cgroup_refusal(f"moving the sandbox into its cgroup failed: {e}")) from e
-        self._supervisor = (self._proc.pid, _start_time(self._proc.pid)) if self.isolation == "none" else kids[0]
+        self._supervisor = (self._proc.pid, start_time(self._proc.pid)) if self.isolation == "none" else kids[0]
         if self._num_seeded:
             self._seed.close()
             data = self._seed.fileobj.getvalue()
@@ -514,9 +272,9 @@ class Sandbox:
             if res.exit_code != 0:
                 raise SandboxError(f"copying the episode's files into the sandbox failed: {res.stderr.strip()[:2000]}")
 
-    def _find_driver(self, inner_pid: int) -> None:
-        for pid, start in _tree(self._proc.pid):
-            if _inner_pid(pid) == inner_pid:
+    def _find_driver(self, pid_inside: int) -> None:
+        for pid, start in process_tree(self._proc.pid):
+            if inner_pid(pid) == pid_inside:
                 self._driver = (pid, start)
                 return
         self._driver = None
@@ -525,17 +283,14 @@ class Sandbox:
         """Kill every process of the sandbox (for bwrap: its PID namespace ends with its PID 1)."""
         if self._proc is None:
             return
-        procs = _tree(self._proc.pid)
+        procs = process_tree(self._proc.pid)
         if self.isolation == "none":  # the supervisor is the process itself: killed first, it starts no new shell
             procs.insert(0, (self._proc.pid, 0))
-        _kill(procs)  # the sandbox's processes first, so bwrap reaps its PID 1 and exits
+        kill_all(procs)  # the sandbox's processes first, so bwrap reaps its PID 1 and exits
         try:
             self._proc.wait(timeout=KILL_GRACE_SEC)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            kill_group(self._proc.pid)
             self._proc.wait()
         for fd in (self._requests, self._status, self._out, self._err):
             os.close(fd)
@@ -562,9 +317,9 @@ class Sandbox:
             target = self._host(mount)
             target.mkdir(parents=True, exist_ok=True)
             with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-                tar.extractall(target, filter=_export_filter)
+                tar.extractall(target, filter=export_filter)
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -599,7 +354,7 @@ class Sandbox:
         src = self.base / "xfer" / f"in-{self._num_xfer}"
         src.write_bytes(data)
         os.chmod(src, 0o644)
-        return src, (f"/run/ds_ttt/{src.name}" if self.isolation == "bwrap" else str(src))
+        return src, (f"{XFER_INSIDE}/{src.name}" if self.isolation == "bwrap" else str(src))
 
     def put(self, data: bytes, target: str, mode: int | None = None) -> CommandResult:
         """Copy `data` to `target` (a path inside, resolved inside the sandbox)."""
@@ -675,22 +430,22 @@ class Sandbox:
         timeout = self.timeout if timeout is None else timeout
         cap = self.max_output_bytes if max_output_bytes is None else max_output_bytes
         out, err = bytearray(), bytearray()
-        self._drain(self._out, out, cap)  # what background jobs printed since the last command comes first
+        drain(self._out, out, cap)  # what background jobs printed since the last command comes first
         if self.isolation == "bwrap" and self._at_process_limit():
             # an earlier command's background fork bomb grew after that command ended: kill it, and drop
             # what it printed since (its "fork: retry" noise is not this command's output)
             self._kill_new(set())
             time.sleep(0.05)
-            self._drain(self._out, bytearray(), 1 << 30)
-            self._drain(self._err, bytearray(), 1 << 30)
+            drain(self._out, bytearray(), 1 << 30)
+            drain(self._err, bytearray(), 1 << 30)
             self._reap_notices(bytearray(), bytearray())
-        before = set(_tree(self._proc.pid))
+        before = set(process_tree(self._proc.pid))
         oom_before = self._oom_kills()  # above _oom_seen: a background job was killed at the memory cap meanwhile
         if oom_before > self._oom_seen:
             # have the shell take note of that job now, so bash's "Killed ..." notice does not open this command's
             # output (whether bash had already reaped it was a race); the result notes the kill instead
             self._reap_notices(out, err)
-        request = f"{kind}\0{payload}\0".encode()
+        request = encode_request(kind, payload)
         while request:  # the shell reads as we write; a long command needs more than one pipe buffer
             select.select([], [self._requests], [])
             request = request[os.write(self._requests, request):]
@@ -702,8 +457,8 @@ class Sandbox:
             status = None
             timed_out = not memory_hit and len(out) + len(err) <= cap
             truncated = not memory_hit and not timed_out
-            self._drain(self._out, out, cap)
-            self._drain(self._err, err, cap)
+            drain(self._out, out, cap)
+            drain(self._err, err, cap)
             marks = (len(out), len(err))  # what the command printed before it was stopped is its output
             if self._driver is not None:
                 try:
@@ -715,11 +470,11 @@ class Sandbox:
                 # the shell). The supervisor would then start a new shell, which the kill rounds must not
                 # take for one of the command's processes: it is stopped (SIGSTOP reaches a PID 1 from the
                 # host) until they are done, then reports the old shell's exit, if it ended, and starts one.
-                _kill([self._supervisor], signal.SIGSTOP)
+                kill_all([self._supervisor], signal.SIGSTOP)
                 try:
                     self._kill_new(before)
                 finally:
-                    _kill([self._supervisor], signal.SIGCONT)
+                    kill_all([self._supervisor], signal.SIGCONT)
                 status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, cap, stop_at_cap=False)
             else:
                 self._kill_new(before)
@@ -729,7 +484,7 @@ class Sandbox:
         restarted, lost = self._pending_note
         self._pending_note = (False, False)
         if status is None:  # the shell itself is busy (a builtin loop): kill it, the supervisor starts another
-            _kill(p for p in _tree(self._proc.pid) if p != self._supervisor)
+            kill_all(p for p in process_tree(self._proc.pid) if p != self._supervisor)
             status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, cap, stop_at_cap=False)
             if status is None or status[0] != "exit":
                 self._stop()
@@ -764,8 +519,8 @@ class Sandbox:
             time.sleep(0.05)  # let the dying processes' last output arrive
             self._reap_notices(out, err)
         if self._proc is not None:
-            self._drain(self._out, out, cap)
-            self._drain(self._err, err, cap)
+            drain(self._out, out, cap)
+            drain(self._err, err, cap)
         if marks is not None:  # drop what came after the stop (bash's "Killed" notes, the trap's leftovers)
             del out[marks[0]:], err[marks[1]:]
         truncated = truncated or len(out) + len(err) > cap
@@ -785,7 +540,7 @@ class Sandbox:
         arrives, so a slow reap costs at most a notice, never a command's status. If the shell ended
         meanwhile, the supervisor's new shell is awaited and the next result says it was restarted."""
         select.select([], [self._requests], [])
-        os.write(self._requests, b"reap\0\0")  # 7 bytes: always written whole to a pipe with room
+        os.write(self._requests, REAP_REQUEST)  # always written whole to a pipe with room
         status = self._collect(time.monotonic() + KILL_GRACE_SEC, out, err, 1 << 30, stop_at_cap=False,
                                reaped=True)
         if status is not None and status[0] == "exit":
@@ -821,7 +576,7 @@ class Sandbox:
                     return ("oom", 0)
             for fd in select.select(fds, [], [], left if wake is None else min(left, wake))[0]:
                 if fd != self._status:  # a status line is taken at the top of the loop
-                    self._drain(fd, out if fd == self._out else err, cap)
+                    drain(fd, out if fd == self._out else err, cap)
             if before is not None:
                 self._kill_new(before)
 
@@ -841,7 +596,7 @@ class Sandbox:
         line is looked at, buffered ones first (two lines can come in one read: a skipped one must not
         leave the next waiting in the buffer while the caller waits on the pipe): "ready" records the
         new shell's pid (and is returned with `keep_ready`), "reaped" is skipped unless asked for."""
-        while (st := self._read_status_line()) is not None:
+        while (st := self._status_reader.read_line()) is not None:
             if st[0] == "ready":
                 self._find_driver(st[1])
                 if keep_ready:
@@ -850,117 +605,12 @@ class Sandbox:
                 return st
         return None
 
-    def _read_status_line(self) -> tuple[str, int] | None:
-        """One line of the status pipe: ("status", code), ("exit", code), ("ready", inner pid), ("reaped", 0);
-        EOF -> ("exit", 137)."""
-        while b"\n" not in self._status_buf:
-            try:
-                chunk = os.read(self._status, 64)
-            except BlockingIOError:
-                return None
-            if not chunk:
-                return ("exit", 137) if not self._status_buf else None
-            self._status_buf += chunk
-        line, self._status_buf = self._status_buf.split(b"\n", 1)
-        words = line.decode(errors="replace").split()
-        try:
-            if len(words) == 1:
-                return ("status", int(words[0]))
-            if len(words) == 2 and words[0] in ("exit", "ready", "reaped"):
-                return (words[0], int(words[1]))
-        except ValueError:
-            pass
-        return ("exit", 137)  # not the protocol: treat the shell as gone
-
-    @staticmethod
-    def _drain(fd: int, buf: bytearray, cap: int) -> None:
-        """Read what is there; keep at most cap + 1 bytes in buf (the rest is counted as dropped)."""
-        while True:
-            try:
-                chunk = os.read(fd, _READ_CHUNK)
-            except BlockingIOError:
-                return
-            except OSError as e:
-                if e.errno == errno.EAGAIN:
-                    return
-                raise
-            if not chunk:
-                return
-            buf += chunk[: max(0, cap + 1 - len(buf))]
-            if len(buf) > cap:
-                return
-
     def _at_process_limit(self) -> bool:
         """Is the sandbox running a fork bomb's worth of processes? (BOMB_FRACTION of its limit: far
         more than the background jobs a task leaves, long before the bomb has filled the table)"""
-        return len(_tree(self._proc.pid)) >= BOMB_FRACTION * self.max_processes
+        return len(process_tree(self._proc.pid)) >= BOMB_FRACTION * self.max_processes
 
     def _kill_new(self, before: set[tuple[int, int]]) -> None:
-        """SIGKILL every process of the sandbox that is not the supervisor, the shell or from an earlier command.
-
-        A fork bomb refills the process table as fast as processes die, so each round first stops
-        (SIGSTOP) every victim, which can then fork no more, and only then kills them; rounds repeat
-        until none is left or KILL_ROUNDS_SEC has passed."""
-        keep = before | {self._supervisor, self._driver}
-        deadline = time.monotonic() + KILL_ROUNDS_SEC
-        while time.monotonic() < deadline:
-            victims = [p for p in _tree(self._proc.pid) if p not in keep]
-            if not victims:
-                return
-            _kill(victims, signal.SIGSTOP)
-            _kill(victims)
-            time.sleep(0.002)
-
-def _export_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-    """tarfile's "tar" filter (nothing lands outside dest, even through links extracted before; no setuid
-    bits) that also drops device nodes; links are kept as links, never followed."""
-    if member.ischr() or member.isblk():
-        return None
-    return tarfile.tar_filter(member, dest)
-
-
-def _check_reachable(base: Path) -> None:
-    """bwrap runs as HOST_UID_FOR_ROOT when the caller is root: every parent of BASE must be searchable by it."""
-    for parent in base.parents:
-        if not os.stat(parent).st_mode & stat.S_IXOTH:
-            shutil.rmtree(base, ignore_errors=True)
-            raise SandboxError(f"{parent} is not searchable by other users (mode {stat.filemode(os.stat(parent).st_mode)}), "
-                               f"but the sandbox runs as uid {HOST_UID_FOR_ROOT} because the caller is root: put the "
-                               f"sandbox elsewhere (parent=, e.g. under /tmp), `chmod o+x {parent}`, or run as a non-root user")
-
-
-def format_observation(result: CommandResult, max_chars: int = 2000) -> str:
-    """The tool-result text the agent sees: the real output, trimmed of trailing newlines, with the exit
-    status appended when non-zero (and a note when the command timed out, the output was cut, or the
-    shell had to be restarted)."""
-    out = result.output.rstrip("\n")
-    notes = []
-    if result.output_truncated:
-        out = out[:max_chars]
-        notes.append(f"[output truncated: the command was killed after {result.output_bytes} bytes of output]")
-    elif len(out) > max_chars:
-        notes.append(f"[output truncated: {len(result.output)} chars]")
-        out = out[:max_chars]
-    if result.timed_out:
-        notes.append("[command timed out]")
-    elif not result.output_truncated and result.exit_code != 0:
-        notes.append(f"[exit code: {result.exit_code}]")
-    if result.process_limit_hit:
-        notes.append("[the sandbox was at its process limit: every process this command started was killed]")
-    if result.memory_limit_earlier:
-        notes.append(f"[a background process was killed: the sandbox reached its memory limit of "
-                     f"{result.memory_limit_bytes >> 20} MiB after the previous command]")
-    if result.memory_limit_hit and result.exit_code == 137:
-        notes.append(f"[command killed: the sandbox reached its memory limit of {result.memory_limit_bytes >> 20} MiB]")
-    elif result.memory_limit_hit:  # the command line ended before the host saw the kill (see the module docstring)
-        notes.append(f"[a process of this command was killed: the sandbox reached its memory limit of "
-                     f"{result.memory_limit_bytes >> 20} MiB]")
-    if result.files_lost:
-        notes.append("[the sandbox was restarted: its files are lost; the working directory, variables and "
-                     "background jobs are reset]")
-    elif result.shell_restarted:
-        notes.append("[the shell was restarted: files are kept; the working directory, variables and background "
-                     "jobs are reset]")
-    if notes:
-        out += ("\n" if out else "") + "\n".join(notes)
-    return out if out else "(no output)"
+        """SIGKILL every process of the sandbox that is not the supervisor, the shell or from an earlier command
+        (stopped first, in rounds: kill.kill_rounds)."""
+        kill_rounds(self._proc.pid, before | {self._supervisor, self._driver})

@@ -7,8 +7,9 @@
     group.oom_kills(); group.cpu_seconds(); group.memory_bytes(); group.pids()
     group.remove()                                         # kills what is left in it, then removes it
 
-Used by `ds_ttt/data/sandbox.py` (one cgroup per `Sandbox`, made when the sandbox is made, removed at
-`close`); docs/sandbox.md says what is capped on which kernel. Three ways, the first that works here:
+Used by `shell.py` (one cgroup per sandbox, made when the sandbox is made, removed at `close`) and
+`probe.py` (can one be made here?); docs/sandbox.md says what is capped on which kernel. Three ways,
+the first that works here:
 
   cgroup-v2   a unified hierarchy (/sys/fs/cgroup, or /sys/fs/cgroup/unified beside v1) whose current
               cgroup (the "0::" line of /proc/self/cgroup) has memory, pids and cpu available: a child

@@ -24,6 +24,12 @@ stored once as the embedding and tied again here, as transformers does.
 The export directory's layout is ds_ttt/export.py's (the writer). The names a reader checks — the
 format tag, ttt_config.json, data_ids.json — and the hashes both sides record are defined here, and
 the writer imports them: export.py depends on this module, never the reverse.
+
+Loading calls down, through public APIs only, and nothing it calls imports it back: a training
+checkpoint's weights come from the trainer's reassembly (ds_ttt/train/reassembly.py, through the test
+seam `load_training_checkpoint`), what inference needs of its run record from
+`RunInfo.inference_record()` (ds_ttt/train/run_record.py), and the concrete attention backend from
+FlashBoB's `choose_backend` (ds_ttt/ops/flashbob).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from ds_ttt.config import TTTConfig
 from ds_ttt.data.tokenizer import QWEN3_IDS_FILE, QWEN3_TOKENIZER_SIZE, load_tokenizer
 from ds_ttt.model.hf_adapter import copy_checked, load_backbone_weights, load_qwen3_config
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+from ds_ttt.ops.flashbob import choose_backend
+from ds_ttt.train.run_record import InferenceRecord
 
 EXPORT_FORMAT = "ds_ttt-export-v1"
 TTT_CONFIG_FILE = "ttt_config.json"
@@ -156,30 +164,29 @@ def export_tokenizer(export_dir: pathlib.Path, meta: dict, config):
     return tok, {"source": "export", **tokenizer_record(export_dir, tok)}
 
 
-def checkpoint_tokenizer(info, config):
+def checkpoint_tokenizer(record: InferenceRecord, config):
     """A training checkpoint's tokenizer: the one its data was rendered with (the training manifest's
     tokenizer/ folder), checked against the hash recorded at training. That record is run_config.json's
     "tokenizer" entry when the trainer writes one, else the training manifest's (whose own sha256 the
-    checkpoint records, so a changed manifest is refused)."""
-    d = _run_info_dict(info)
-    where = pathlib.Path(d.get("checkpoint") or "checkpoint")
-    recorded = (d.get("raw") or {}).get("tokenizer") or {}
+    checkpoint records, so a changed manifest is refused). `record`: `RunInfo.inference_record()`."""
+    where = pathlib.Path(record.checkpoint)
+    recorded = record.tokenizer or {}
     expected, recorded_in = recorded.get("sha256"), f"{where}/run_config.json"
     tok_dir = pathlib.Path(recorded["dir"]) if recorded.get("dir") else None
-    manifest_path = d.get("manifest_path")
+    manifest_path = record.manifest_path
     if manifest_path and pathlib.Path(manifest_path).is_file():
         raw = pathlib.Path(manifest_path).read_bytes()
         got = hashlib.sha256(raw).hexdigest()
-        if d.get("manifest_sha256") and got != d["manifest_sha256"]:
-            raise ValueError(f"{manifest_path}: sha256 {got} but {where} was trained on {d['manifest_sha256']}; the "
-                             "training data (and its tokenizer) changed after training, so the tokenizer cannot be "
-                             "verified: restore that manifest directory")
+        if record.manifest_sha256 and got != record.manifest_sha256:
+            raise ValueError(f"{manifest_path}: sha256 {got} but {where} was trained on {record.manifest_sha256}; "
+                             "the training data (and its tokenizer) changed after training, so the tokenizer cannot "
+                             "be verified: restore that manifest directory")
         tok_meta = json.loads(raw)["tokenizer"]
         tok_dir = tok_dir or pathlib.Path(manifest_path).parent / tok_meta["dir"]
         if expected is None:
             expected, recorded_in = tok_meta["hash"], f"the training manifest {manifest_path}"
-    if tok_dir is None and d.get("tokenizer_dir"):
-        tok_dir = pathlib.Path(d["tokenizer_dir"])
+    if tok_dir is None and record.tokenizer_dir:
+        tok_dir = pathlib.Path(record.tokenizer_dir)
     if tok_dir is None or not (tok_dir / "tokenizer.json").is_file():
         if expected is not None:
             raise FileNotFoundError(f"{where}: trained with tokenizer sha256 {expected} ({recorded_in}), but "
@@ -263,35 +270,22 @@ class LoadedModel:
     #                   tokenizer (source, hashes), attention_backend (concrete) and _requested / _trained
 
 
-def _run_info_dict(info) -> dict:
-    """The trainer's RunInfo (or a dict of the same fields, or None) as a plain dict."""
-    if info is None:
-        return {}
-    if isinstance(info, dict):
-        return dict(info)
-    return {k: getattr(info, k) for k in dir(info) if not k.startswith("_") and not callable(getattr(info, k))}
-
-
 def load_training_checkpoint(path: str | pathlib.Path, device: str = "cpu"):
-    """The trainer's loader (ds_ttt/train/reassembly.py) -> (model, RunInfo). One seam for tests."""
+    """The trainer's loader (ds_ttt/train/reassembly.py) -> (model, RunInfo). One seam for tests: a
+    replacement returns a RunInfo (or anything with its `inference_record()`)."""
     from ds_ttt.train.reassembly import load_model_from_checkpoint
 
     return load_model_from_checkpoint(str(path), device=device)
 
 
 def resolve_attention_backend(model: TTTQwen3ForCausalLM, backend: str) -> str:
-    """The concrete FlashBoB backend `backend` selects for this model's device and dtype ("auto": cuda on
-    a GPU, the cpu kernel on a CPU), by FlashBoB's own resolution; raises if that kernel cannot run it."""
-    # FlashBoB resolves (and checks) its backend from the tensors it gets; ask it with one probe query
-    # of this model's device, dtype and head shape, so there is exactly one resolution rule.
-    from ds_ttt.ops.flashbob import _validate as flashbob_resolve
-
+    """The concrete FlashBoB backend `backend` selects for this model's device, dtype and head dim ("auto":
+    cuda on a GPU, the cpu kernel on a CPU), by FlashBoB's own rule (`choose_backend`, the one `attention`
+    decides by); raises ValueError, naming the fix, if that kernel cannot run the model."""
     attn = model.model.layers[0].self_attn
-    p = attn.q_proj.weight
-    q = p.new_zeros(1, attn.config.num_attention_heads, 1, attn.head_dim)
-    kv = p.new_zeros(1, attn.config.num_key_value_heads, 1, attn.head_dim)
+    weight = attn.q_proj.weight
     try:
-        return flashbob_resolve(q, kv, kv, True, None, 0, None, 0, backend)
+        return choose_backend(backend, device=weight.device, dtype=weight.dtype, head_dim=attn.head_dim)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--attention-backend {backend}: {e}") from None
 
@@ -328,19 +322,19 @@ def load_for_inference(path: str | pathlib.Path, *, device: str = "cpu", attenti
             raise FileNotFoundError(f"{path}: no such checkpoint or export directory")
         model, info = load_training_checkpoint(path, device=device)
         model.eval().requires_grad_(False)
-        tokenizer, tok_info = checkpoint_tokenizer(info, model.config)
-        d = _run_info_dict(info)
-        resolved = pathlib.Path(d.get("checkpoint") or path)
+        record = info.inference_record()
+        tokenizer, tok_info = checkpoint_tokenizer(record, model.config)
+        resolved = pathlib.Path(record.checkpoint or path)
         prov = {
             "kind": "checkpoint",
             "path": str(path),
             "resolved": str(resolved),
             "sha256": checkpoint_sha256(resolved) if hash_files and resolved.exists() else None,
             "sha256_scope": "layer_*model_states.pt + run_config.json",
-            "step": d.get("step"),
-            "manifest_path": str(d["manifest_path"]) if d.get("manifest_path") else None,
-            "manifest_sha256": d.get("manifest_sha256"),
-            "model_source": d.get("model_source"),
+            "step": record.step,
+            "manifest_path": str(record.manifest_path) if record.manifest_path else None,
+            "manifest_sha256": record.manifest_sha256,
+            "model_source": record.model_source,
             "config_sha256": config_sha256(model.config, model.ttt),
             "data_ids_path": str(resolved / DATA_IDS_FILE) if (resolved / DATA_IDS_FILE).is_file() else None,
         }

@@ -3,6 +3,7 @@
     from ds_ttt.train.run_record import RunInfo
     info = RunInfo.read(ckpt_dir)           # a complete checkpoint directory (checkpoint.resolve_checkpoint)
     info.ttt_config(), info.backbone_config(), info.pipeline_layout(), info.manifest_path, info.step
+    info.inference_record()                 # what loading for inference reads of it (ds_ttt/loading.py)
 
 Files (inside each checkpoint directory; RUN_DIR/run_config.json holds the latest launch's copy):
     run_config.json   `resolved_config(...)` + the step: format, run, ttt, backbone, resolved DeepSpeed
@@ -24,6 +25,21 @@ from ds_ttt.train.layout import Layout
 RUN_CONFIG = "run_config.json"
 DATA_IDS = "data_ids.json"
 RUN_FORMAT = "ds_ttt-run-v1"
+
+
+@dataclass(frozen=True)
+class InferenceRecord:
+    """What loading a checkpoint for inference (ds_ttt/loading.py) reads of its run record: the fields
+    of its provenance and the tokenizer's record, each named (nothing else of the run travels)."""
+
+    checkpoint: pathlib.Path  # the complete checkpoint directory the weights came from
+    step: int  # cumulative optimizer steps
+    manifest_path: str  # the training manifest (run_config.json's manifest.path)
+    manifest_sha256: str  # its sha256 at training: a changed manifest is refused
+    model_source: dict[str, Any]  # {"preset": name} or {"model_dir": path}
+    tokenizer: dict[str, Any] | None  # run_config.json's "tokenizer" ({"dir", "sha256"}, manifest_tokenizer);
+    #                                   None when the trainer wrote none (the manifest's record is used then)
+    tokenizer_dir: str  # RunInfo.tokenizer_dir: where the tokenizer is when the record names no folder
 
 
 @dataclass
@@ -66,6 +82,12 @@ class RunInfo:
         if model_dir and (pathlib.Path(model_dir) / "tokenizer.json").is_file():
             return model_dir
         return str(pathlib.Path(self.manifest_path).parent / "tokenizer")
+
+    def inference_record(self) -> InferenceRecord:
+        """The fields of this record that loading for inference uses (provenance and tokenizer checks)."""
+        return InferenceRecord(checkpoint=self.checkpoint, step=self.step, manifest_path=self.manifest_path,
+                               manifest_sha256=self.manifest_sha256, model_source=self.model_source,
+                               tokenizer=self.raw.get("tokenizer"), tokenizer_dir=self.tokenizer_dir)
 
     @classmethod
     def read(cls, ckpt: pathlib.Path) -> "RunInfo":

@@ -73,3 +73,63 @@ def test_valid_call_passes_validation_on_every_backend():
             for b in ("reference", "cpu", "auto")]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0])
+
+
+# ---- choose_backend: the backend rule without a tensor (loading asks it before any attention call) ----
+CHOICES = [
+    # (requested, device, dtype, head_dim, concrete backend)
+    ("auto", "cpu", torch.float32, 16, "cpu"),
+    ("auto", "cuda", torch.bfloat16, 128, "cuda"),
+    ("reference", "cpu", torch.bfloat16, 300, "reference"),
+    ("reference", "meta", torch.float16, None, "reference"),
+    ("cpu", "cpu", torch.float64, 256, "cpu"),
+    ("cuda", "cuda:0", torch.float16, 64, "cuda"),
+    ("cuda", torch.device("cuda"), torch.bfloat16, None, "cuda"),
+]
+
+
+@pytest.mark.parametrize("requested,device,dtype,head_dim,expected", CHOICES)
+def test_choose_backend_names_the_concrete_backend(requested, device, dtype, head_dim, expected):
+    from ds_ttt.ops.flashbob import choose_backend
+
+    assert choose_backend(requested, device=device, dtype=dtype, head_dim=head_dim) == expected
+
+
+REFUSALS = [
+    # (requested, device, dtype, head_dim, exception, message regex: the problem, then the fix)
+    ("triton", "cpu", torch.float32, None, ValueError, "backend must be one of .*'auto'"),
+    ("auto", "meta", torch.float32, None, ValueError, "no kernel for device meta; use backend='reference'"),
+    ("auto", "cpu", torch.bfloat16, None, TypeError, "backend 'cpu'.*use backend='reference' or upcast"),
+    ("auto", "cuda", torch.float32, None, TypeError, "backend 'cuda'.*use backend='reference'"),
+    ("reference", "cpu", torch.int32, None, TypeError, "backend 'reference'.*cast to one of them"),
+    ("cpu", "cuda", torch.float32, None, ValueError, "needs CPU tensors.*use backend='auto'.*or 'reference'"),
+    ("cpu", "cpu", torch.float16, None, TypeError, "backend 'cpu'.*use backend='reference' or upcast"),
+    ("cpu", "cpu", torch.float32, 300, ValueError, "head dim 300.*max 256.*use backend='reference'"),
+    ("cuda", "cpu", torch.bfloat16, 64, ValueError, "needs CUDA tensors.*use backend='auto'.*or 'reference'"),
+    ("cuda", "cuda", torch.bfloat16, 32, ValueError, "head dim 32.*use backend='reference'"),
+]
+
+
+@pytest.mark.parametrize("requested,device,dtype,head_dim,exc,msg", REFUSALS)
+def test_choose_backend_refusal_names_the_fix(requested, device, dtype, head_dim, exc, msg):
+    from ds_ttt.ops.flashbob import choose_backend
+
+    with pytest.raises(exc, match=msg):
+        choose_backend(requested, device=device, dtype=dtype, head_dim=head_dim)
+
+
+def test_attention_decides_its_backend_by_choose_backend(monkeypatch):
+    """One rule: attention's argument check asks choose_backend with its tensors' device, dtype and head dim."""
+    import ds_ttt.ops.flashbob as flashbob
+
+    asked = []
+    real = flashbob.choose_backend
+
+    def spy(requested, **kw):
+        asked.append((requested, kw))
+        return real(requested, **kw)
+
+    monkeypatch.setattr(flashbob, "choose_backend", spy)
+    q, k, v = _qkv(torch.float64)
+    attention(q, k, v, backend="auto")
+    assert asked == [("auto", dict(device=q.device, dtype=torch.float64, head_dim=8))]

@@ -16,6 +16,8 @@ Backends:
   "cpu"        C++ tiled kernels (csrc/flashbob_cpu.cpp), float32/float64, JIT-built on first use.
   "cuda"       CUDA kernels (csrc/*.cu), bf16/fp16, head dim 64/128, JIT-built on first use.
   "auto"       "cpu" for CPU tensors, "cuda" for CUDA tensors.
+`choose_backend(requested, device=..., dtype=..., head_dim=...)` says which backend a request runs on
+(or why it cannot) without any tensor; `attention` decides by the same function.
 The cpu/cuda backends support first grads with create_graph=True and a second backward
 (backward-over-backward); a third derivative raises. Nothing is compiled at import time.
 Math and schedule: docs/flashbob_math.md; usage and numbers: docs/flashbob.md.
@@ -30,7 +32,7 @@ import torch
 
 from .reference import attention_reference, default_q_offset, visibility_mask
 
-__all__ = ["attention", "attention_reference", "visibility_mask", "BACKENDS"]
+__all__ = ["attention", "attention_reference", "choose_backend", "visibility_mask", "BACKENDS"]
 
 BACKENDS = ("auto", "reference", "cpu", "cuda")
 CPU_DTYPES = (torch.float32, torch.float64)
@@ -46,6 +48,49 @@ def _check_int(name: str, value, *, allow_none: bool = False) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def choose_backend(requested: str, *, device: torch.device | str, dtype: torch.dtype,
+                   head_dim: int | None = None) -> str:
+    """The concrete backend ("reference", "cpu" or "cuda") that `requested` runs on for tensors of this
+    device and dtype (and head dim, when given): "auto" is "cuda" on a CUDA device and "cpu" on a
+    CPU. Raises when that backend cannot run them, naming what to use instead: TypeError for a dtype,
+    ValueError for anything else. `attention` decides its backend by this rule, so asking here
+    before building any tensor gives the answer `attention` would."""
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    device = torch.device(device)
+    backend = requested
+    if backend == "auto":
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"backend='auto' has no kernel for device {device}; "
+                             "use backend='reference'")
+        backend = "cuda" if device.type == "cuda" else "cpu"
+    if backend == "reference":
+        if dtype not in REFERENCE_DTYPES:
+            raise TypeError(f"dtype {dtype} unsupported by backend 'reference' "
+                            f"(supported: {REFERENCE_DTYPES}; cast to one of them)")
+    elif backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"backend 'cpu' needs CPU tensors, got device {device}; "
+                             "use backend='auto' (the kernel of the device) or 'reference'")
+        if dtype not in CPU_DTYPES:
+            raise TypeError(f"dtype {dtype} unsupported by backend 'cpu' "
+                            f"(supported: {CPU_DTYPES}; use backend='reference' or upcast)")
+        if head_dim is not None and head_dim > 256:
+            raise ValueError(f"head dim {head_dim} unsupported by backend 'cpu' (max 256); "
+                             "use backend='reference'")
+    elif backend == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"backend 'cuda' needs CUDA tensors, got device {device}; "
+                             "use backend='auto' (the kernel of the device) or 'reference'")
+        if dtype not in CUDA_DTYPES:
+            raise TypeError(f"dtype {dtype} unsupported by backend 'cuda' "
+                            f"(supported: {CUDA_DTYPES}; cast to one of them or use backend='reference')")
+        if head_dim is not None and head_dim not in CUDA_HEAD_DIMS:
+            raise ValueError(f"head dim {head_dim} unsupported by backend 'cuda' "
+                             f"(supported: {CUDA_HEAD_DIMS}); use backend='reference'")
+    return backend
 
 
 def _validate(q, k, v, causal, scale, window, q_offset, k_offset, backend) -> str:
@@ -82,35 +127,7 @@ def _validate(q, k, v, causal, scale, window, q_offset, k_offset, backend) -> st
     _check_int("q_offset", q_offset, allow_none=True)
     _check_int("k_offset", k_offset)
 
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = "cuda" if q.device.type == "cuda" else "cpu"
-        if q.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"backend='auto' has no kernel for device {q.device}; "
-                             "use backend='reference'")
-    if backend == "reference":
-        if q.dtype not in REFERENCE_DTYPES:
-            raise TypeError(f"dtype {q.dtype} unsupported by backend 'reference' "
-                            f"(supported: {REFERENCE_DTYPES})")
-    elif backend == "cpu":
-        if q.device.type != "cpu":
-            raise ValueError(f"backend 'cpu' needs CPU tensors, got device {q.device}")
-        if q.dtype not in CPU_DTYPES:
-            raise TypeError(f"dtype {q.dtype} unsupported by backend 'cpu' "
-                            f"(supported: {CPU_DTYPES}; use backend='reference' or upcast)")
-        if q.shape[3] > 256:
-            raise ValueError(f"head dim {q.shape[3]} unsupported by backend 'cpu' (max 256)")
-    elif backend == "cuda":
-        if q.device.type != "cuda":
-            raise ValueError(f"backend 'cuda' needs CUDA tensors, got device {q.device}")
-        if q.dtype not in CUDA_DTYPES:
-            raise TypeError(f"dtype {q.dtype} unsupported by backend 'cuda' "
-                            f"(supported: {CUDA_DTYPES})")
-        if q.shape[3] not in CUDA_HEAD_DIMS:
-            raise ValueError(f"head dim {q.shape[3]} unsupported by backend 'cuda' "
-                             f"(supported: {CUDA_HEAD_DIMS})")
-    return backend
+    return choose_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3])
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,

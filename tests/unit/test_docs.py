@@ -25,7 +25,7 @@
 6. The tree stands on its own: README.md, docs/*.md and the sources (.py, .sh, .cpp, .cu, .cuh, .h) under
    ds_ttt/, launch/, evals/, data_prep/, benchmarks/, gpu_check/ and tests/ name no issue number of the
    team's tracker (a clone cannot look it up: name the feature instead) and no path of one machine (the
-   team's sibling shared folder, the `/work` or `/home` trees). PENDING_FILES lists the files still to fix.
+   team's sibling shared folder, the `/work` or `/home` trees).
 Each checker also runs on a changed copy of the real text, to show it can fail.
 """
 
@@ -366,14 +366,6 @@ STANDALONE_SUFFIXES = {".py", ".sh", ".cpp", ".cu", ".cuh", ".h"}
 # fixtures (recorded shell sessions, whose home directories are the sandboxed task's) and prebuilt objects.
 NOT_STANDALONE_CHECKED = ("benchmarks/results/", "gpu_check/logs/", "gpu_check/prebuilt/", "tests/assets/")
 
-# Files that still name an issue number, left alone while others edit them. This list must shrink to
-# empty: fix a file, then remove it here (test_pending_files_still_need_fixing fails once a listed file
-# is clean, so the list cannot outlive its reason). Add nothing to it.
-PENDING_FILES = (
-    "docs/sandbox.md",
-    "tests/unit/test_sandbox_hostile.py",
-)
-
 # An issue number of the team's tracker (N being digits): "issue N", "Issue N", "issue-N", "issueN",
 # "issue #N", "issues N and M", or "#N" standing alone in prose (after a space or a bracket). Not flagged:
 # a verb ("the k-step issues 3·MT loads": a plural without a list after its number), a hex colour
@@ -413,17 +405,10 @@ def standalone_problems(name: str, text: str) -> list[str]:
 
 
 def test_no_issue_numbers_or_machine_paths():
-    problems = [p for rel in standalone_files() if rel not in PENDING_FILES
+    problems = [p for rel in standalone_files()
                 for p in standalone_problems(rel, (REPO / rel).read_text(errors="replace"))]
     assert problems == [], ("name the feature instead of its issue number, and use repository-relative "
                             "paths:\n" + "\n".join(problems))
-
-
-def test_pending_files_still_need_fixing():
-    files = set(standalone_files())
-    for rel in PENDING_FILES:
-        assert rel in files, f"PENDING_FILES names {rel}, which section 6 does not read"
-        assert standalone_problems(rel, (REPO / rel).read_text()), f"{rel} is clean: remove it from PENDING_FILES"
 
 
 def test_standalone_checker_can_fail():

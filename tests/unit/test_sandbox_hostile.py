@@ -14,7 +14,7 @@ same tmpfs and RLIMIT_FSIZE mechanism as the defaults) so a fill costs 64 MiB, n
 The resource attacks (hostile.RESOURCE_ATTACKS: 8 processes x 100 MiB, a fork storm, spinners on every
 core, every tmpfs filled) run in both places under small episode caps (256 MiB, 40 processes, half a
 core) and are judged from the host by `ResourceWatch`, which also kills an attack whose memory passes
-twice the cap. Against the sandbox before issue 32 (no cgroup; run without the max_episode_* options
+twice the cap. Against the sandbox before the per-episode cgroup caps (no cgroup; run without the max_episode_* options
 it lacks) the memory attack, the fork storm and the spinners get through; the tmpfs sizes held there.
 """
 
@@ -192,7 +192,7 @@ def test_a_late_reap_answer_is_skipped_not_misread(monkeypatch):
 
 
 def resource_options() -> dict:
-    """RESOURCE_LIMITS, less any option this `Sandbox` lacks (the sandbox before issue 32 had no max_episode_*
+    """RESOURCE_LIMITS, less any option this `Sandbox` lacks (the sandbox before the per-episode cgroup caps had no max_episode_*
     options: it runs without them, and the host-side checks judge it the same way)."""
     params = inspect.signature(Sandbox).parameters
     return {k: v for k, v in RESOURCE_LIMITS.items() if k in params}

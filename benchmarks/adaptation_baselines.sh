@@ -27,7 +27,9 @@
 # never seen in training); TTT models also with their updates off (labelled ablation).
 # Writes OUT.{json,md,png} (OUT = benchmarks/results/adaptation_baselines; SMOKE: WORK_DIR/report) with
 # the command, seeds and the load average at start and end. Knobs: MAX_STEPS (1000), NUM_TRAJ (300),
-# NUM_EXTRA (600), SEED (0), RUN_CONFIG (ds_configs/run_cpu_tiny.json), DATA (reuse a manifest), OUT.
+# NUM_EXTRA (600), SEED (0), RUN_CONFIG (ds_configs/run_cpu_tiny_no_address.json: the recipe these controls
+# were measured with; the round address needs current_round, so the full-context rows cannot take it), DATA
+# (reuse a manifest), OUT.
 # After `bash launch/main.sh` the main job's model IS the ttt_current row (same data, recipe, layout,
 # steps and seed); reuse it instead of training it again:
 #   MAIN=runs/main bash benchmarks/adaptation_baselines.sh      # DATA, sets and ttt_current from runs/main
@@ -45,7 +47,7 @@ else
   OUT_TASKS="${OUT_TASKS:-benchmarks/results/agent_tasks}" TASKS_PER_KIND=12 TASK_ARGS=()
 fi
 SEED="${SEED:-0}"
-RUN_CONFIG="${RUN_CONFIG:-ds_configs/run_cpu_tiny.json}"
+RUN_CONFIG="${RUN_CONFIG:-ds_configs/run_cpu_tiny_no_address.json}"
 DS_CONFIG="${DS_CONFIG:-ds_configs/cpu_tiny_pp1_dp2.json}"
 PY=.venv/bin/python
 source launch/same_checkout.sh && require_same_checkout "$PY"

@@ -77,6 +77,45 @@ class ContextPolicy:
     def from_ttt(cls, ttt) -> "ContextPolicy":
         return cls(kind=ttt.context_policy, window=ttt.window)
 
+    # ---- what callers ask (so that none of them compares policy names) ---------------------------
+    @property
+    def attention_window(self) -> int:
+        """The sliding window attention kernels take (0: none)."""
+        return self.window if self.kind == "window" else 0
+
+    @property
+    def is_positional(self) -> bool:
+        """Is visibility a function of positions alone (causal, or causal within a window), so that a
+        causal/sliding-window kernel needs no mask? False for current_round, which also needs round ids."""
+        return self.kind != "current_round"
+
+    @property
+    def needs_rounds(self) -> bool:
+        """Does visibility depend on round ids (a whole-sequence pass must be given them)?"""
+        return not self.is_positional
+
+    @property
+    def rounds_are_segments(self) -> bool:
+        """Does each round start a new segment, with nothing carried from the round before (attention
+        context and the key state's history alike)? True for current_round."""
+        return self.kind == "current_round"
+
+    def visible_from(self, slot: int) -> int:
+        """The first cache slot a query at cache slot `slot` may see, in a serving cache laid out as
+        ds_ttt/serve/kv_cache.py says (window: slot = position, so the window's first slot)."""
+        return max(0, slot - self.window + 1) if self.kind == "window" else 0
+
+    def new_round_slot(self, start: int, prompt_slots: int) -> int:
+        """The cache slot of a new round starting at position `start`: current_round reuses the slots
+        after round 0 (no later query may see an earlier round); full and window keep slot = position."""
+        return prompt_slots if self.rounds_are_segments else start
+
+    def segment_starts_at(self, slot: int, prompt_slots: int | None) -> bool:
+        """Does a segment (a fresh key-state history) start at cache slot `slot`? At slot 0 always; under
+        current_round also at each round's first slot after round 0 (`prompt_slots`; None before round 0
+        is laid out)."""
+        return slot == 0 or (self.rounds_are_segments and prompt_slots is not None and slot == prompt_slots)
+
     def mask(self, rounds_BT: torch.Tensor) -> torch.Tensor | None:
         """Boolean [B, 1, T, T] mask (True = may attend) for a right-padded batch, or None for plain causal.
 

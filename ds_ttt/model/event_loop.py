@@ -340,7 +340,7 @@ def _run_event(loop: _Loop, plan: _EventPlan, carried: _Carried, h_event: torch.
 
     # the key history entering this event: the last event's, or none at a round boundary the
     # context policy closes (current_round: no key sees an earlier round)
-    tails_in = ([torch.zeros_like(t) for t in carried.key_tails] if policy.kind == "current_round"
+    tails_in = ([torch.zeros_like(t) for t in carried.key_tails] if policy.rounds_are_segments
                 else carried.key_tails)
     flat_in = [t for c in kept for t in (c.k_1HSD, c.v_1HSD)]
     if not create_graph:

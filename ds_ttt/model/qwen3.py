@@ -77,7 +77,7 @@ def flash_attend(scale: float, window: int) -> Attend:
 def frozen_path_attend(policy: ContextPolicy, hidden_BTC: torch.Tensor, rounds_BT: torch.Tensor, scale: float) -> Attend:
     """Whole-sequence attention for layers outside the inner loop: flash-attn on CUDA when installed
     (causal or sliding window), else SDPA with the context-policy mask (CPU, and current_round)."""
-    if policy.kind != "current_round" and flash_attn_available(hidden_BTC):
+    if policy.is_positional and flash_attn_available(hidden_BTC):
         return flash_attend(scale, policy.window)
     return sdpa_attend(policy.mask(rounds_BT), scale)
 
@@ -173,7 +173,7 @@ def run_decoder_layers(layers, hidden_BTC: torch.Tensor, rounds_BT: torch.Tensor
     """Whole-sequence pass through `layers` (one or many) under the context policy, W_0 in adaptive
     layers. Used by the single-device model and by each pipeline decoder stage."""
     b, t, _ = hidden_BTC.shape
-    if rounds_BT is None and policy.kind == "current_round":
+    if rounds_BT is None and policy.needs_rounds:
         raise ValueError("context_policy='current_round' needs rounds_BT (round id per token)")
     positions_BT = torch.arange(t, device=hidden_BTC.device).expand(b, t)
     pos_emb = rotary_emb(hidden_BTC, positions_BT)
@@ -181,7 +181,7 @@ def run_decoder_layers(layers, hidden_BTC: torch.Tensor, rounds_BT: torch.Tensor
                                 rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT),
                                 layers[0].self_attn.scaling)
     # the key shift's history restarts where attention's context does (each round under current_round)
-    segments = rounds_BT if policy.kind == "current_round" else None
+    segments = rounds_BT if policy.rounds_are_segments else None
     for layer in layers:
         hidden_BTC, _ = layer(hidden_BTC, pos_emb, attend, key_history=KeyHistory(segments_BT=segments))
     return hidden_BTC

@@ -71,7 +71,7 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
     positions = torch.tensor([[d.pos - 1] for d in decodes], device=dev)
     slots = [d.slot - 1 for d in decodes]
     caches = [d.s.cache for d in decodes]
-    los = [d.session._visible_from(slot) for d, slot in zip(decodes, slots)]
+    los = [m.policy.visible_from(slot) for slot in slots]
     h = m.model.embed_tokens(ids)  # [B, 1, C]
     pos_emb = m.model.rotary_emb(h, positions)
     has_weights = all(len(d.w) for d in decodes)
@@ -79,9 +79,8 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
     shift_layers = [layer for layer in m.model.layers if uses_key_state(layer)]
     prev_rows = []  # per row: its key-shift history per shift layer (None: a new segment, zeros)
     if shift_layers:
-        policy = m.policy
         for d, cache, slot in zip(decodes, caches, slots):
-            new_round = slot == 0 or (policy.kind == "current_round" and slot == d.s.prompt_slots)
+            new_round = m.policy.segment_starts_at(slot, d.s.prompt_slots)
             prev_rows.append(None if new_round else cache.key_history_at(slot))
     k_shift = 0
     last_rows: list[list] = [[] for _ in range(b)]

@@ -260,11 +260,6 @@ class AgentSession:
         return self._s
 
     # ---- model plumbing ------------------------------------------------------------------------
-    def _visible_from(self, slot: int) -> int:
-        """First cache slot a query at `slot` may see (window: slot = position; see kv_cache.py)."""
-        policy = self.model.policy
-        return max(0, slot - policy.window + 1) if policy.kind == "window" else 0
-
     def _forward(self, chunk_ids: list[int], start: int, slot: int, cache: KVCache, weights, want: list[int], *,
                  keep_graph: bool = False, write_rates: list | None = None):
         """Run new tokens (positions start.., cache slots slot..) through every layer.
@@ -285,8 +280,8 @@ class AgentSession:
         ids = torch.tensor([chunk_ids], device=dev)
         h = m.model.embed_tokens(ids)
         pos_emb = m.model.rotary_emb(h, torch.arange(start, start + n, device=dev)[None])
-        lo = self._visible_from(slot)
-        window = m.policy.window if m.policy.kind == "window" else 0
+        lo = m.policy.visible_from(slot)
+        window = m.policy.attention_window
         backend = m.ttt.attention_backend
         new_kv = [] if keep_graph else None
         # Without a graph, attention runs on PyTorch's fused SDPA: one new token (a decode step) sees
@@ -301,8 +296,7 @@ class AgentSession:
                 mask = visibility_mask(n, slot + n - lo, causal=True, window=window, q_offset=slot - lo, k_offset=0,
                                        device=dev)
         it = iter(weights or ())
-        new_round = slot == 0 or (m.policy.kind == "current_round" and self._s is not None
-                                  and slot == self._s.prompt_slots)
+        new_round = m.policy.segment_starts_at(slot, self._s.prompt_slots if self._s is not None else None)
         shifts = [layer for layer in m.model.layers if uses_key_state(layer)]
         key_prev = iter([None] * len(shifts) if new_round or not shifts else cache.key_history_at(slot))
         key_last = []
@@ -335,11 +329,6 @@ class AgentSession:
         logits = m.lm_head(m.model.norm(rows))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return logits, new_kv
-
-    def _slot_of_new_round(self, s: _State, start: int) -> int:
-        """Cache slot of a new round starting at position `start`: current_round reuses the slots after
-        round 0 (no later query may see an earlier round); full/window keep slot = position."""
-        return s.prompt_slots if self.model.policy.kind == "current_round" else start
 
     def _choose(self, logits_V: torch.Tensor, temperature: float, top_p: float) -> int:
         """Greedy at temperature 0, else a sample from softmax(logits / T) restricted to the smallest
@@ -434,7 +423,7 @@ class AgentSession:
         s = self._state()
         ag = self.agent
         r, start, w = s.round + 1, len(s.ids), s.weights
-        slot0 = self._slot_of_new_round(s, start)
+        slot0 = self.model.policy.new_round_slot(start, s.prompt_slots)
         prompt, end = ag.prompt_ids, ag.action_end_ids
         log = RoundLog(round=r, forced=True)
         # Cache writes go to slots at or after slot0, which no committed state still needs: full/window
@@ -492,7 +481,7 @@ class AgentSession:
             opts = dataclasses.replace(opts, temperature=opts.temperature if temperature is None else temperature,
                                        top_p=opts.top_p if top_p is None else top_p)
         start = len(s.ids)
-        slot0 = self._slot_of_new_round(s, start)
+        slot0 = self.model.policy.new_round_slot(start, s.prompt_slots)
         budget = self._budget(start, max_new_tokens or self.max_new_tokens)
         s.cache.ensure(slot0 + len(self.agent.prompt_ids) + budget + len(self.agent.action_end_ids) + 1)
         return Decode(self, s, start, slot0, budget, opts, on_token)

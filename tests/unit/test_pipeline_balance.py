@@ -231,3 +231,40 @@ def test_longest_fitting_context_interpolates_and_never_extrapolates():
     assert fit[("b", "L")] == "5K"  # 2048 + (50 - 40) / (60 - 40) * 6144 = 5120
     assert fit[("b", "small")] == "8K+"
     assert fit[("b", "big")] is None
+
+
+BUILT_ON = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from pipeline_balance import timing
+    import torch
+    from ds_ttt.config import TTTConfig
+    from ds_ttt.model.presets import tiny_qwen3_config
+    from ds_ttt.train.pipeline import TTTPipelineModule
+    timing.init_single_process_group()
+    devices = []
+    class Built(Exception):
+        pass
+    def spy(self, *a, **k):  # record where the stage's parameters would be created, then stop
+        devices.append(torch.get_default_device().type)
+        raise Built
+    TTTPipelineModule.__init__ = spy
+    cfg = tiny_qwen3_config(num_hidden_layers=4, vocab_size=256)
+    ttt = TTTConfig(adaptive_layers=1).validate(4)
+    (stages, _, lay), = timing.resolve_layouts(cfg, ttt, ((4, 1),)).values()
+    try:
+        timing.build_stage(cfg, ttt, lay, 0, dtype=torch.float32, device="meta")
+    except Built:
+        pass
+    print(devices)
+""")
+
+
+def test_stages_are_built_on_the_device_they_run_on():
+    """build_stage initialises a stage's parameters on its device, not on the CPU first (a Qwen3-8B stage's
+    fp32 random init on the CPU outlasted the H200 balance phase's whole limit; failed on the code before:
+    the module was built under the CPU default device and moved afterwards)."""
+    r = subprocess.run([sys.executable, "-c", BUILT_ON, str(BENCHMARKS)], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "['meta']", r.stdout[-2000:]

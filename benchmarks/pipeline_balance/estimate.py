@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
 
 from . import ROOT
 from .memory import GIB, USABLE_80GB, ZERO1_FP32_GRAD_BYTES, ZERO1_OPTIMIZER_BYTES, measure_stage_memory, mem_method
@@ -16,6 +17,21 @@ from .simulate import simulate_train_schedule
 from .timing import MicroBatch, build_stage, layout_inputs, resolve_layouts, set_step_objective, synthetic_micro_batch
 
 GPU_RESULTS = ROOT / "benchmarks" / "results" / "gpu"
+FP32_FAST_WEIGHTS_COMMIT = "8a7fc85"  # the first commit whose event loop keeps the fast weights in fp32
+
+
+def recorded_with_fp32_fast_weights(commit: str | None) -> bool:
+    """Was a GPU recording made at `commit` with fp32 fast weights (FP32_FAST_WEIGHTS_COMMIT is its ancestor)?
+    Asks git; a commit git does not know is an error naming it (a shallow clone: fetch the history)."""
+    if not commit:
+        raise ValueError("benchmarks/results/gpu/environment.json has no git_commit: cannot tell whether the "
+                         "recording's fast weights were bf16 or fp32")
+    known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True)
+    if known.returncode != 0:
+        raise ValueError(f"benchmarks/results/gpu/environment.json: git_commit {commit} is not in this clone's "
+                         "history (a shallow clone? run `git fetch --unshallow`)")
+    return subprocess.run(["git", "merge-base", "--is-ancestor", FP32_FAST_WEIGHTS_COMMIT, commit], cwd=ROOT,
+                          capture_output=True).returncode == 0
 
 
 def decoder_layer_flops(config, num_tokens: int) -> dict:
@@ -81,8 +97,8 @@ def qwen3_8b_estimate(gpu_dir: pathlib.Path = GPU_RESULTS, *, global_batch: int 
     forward FLOPs at a bf16 rate, and, when `frozen_backward`, recompute + 2x forward for its backward;
     PP1 runs the frozen layers forward only, their outputs need no grad), and the busiest rank's memory:
     its weights + bf16 prime gradients + ZeRO-1 optimizer state / dp + the activations (recorded peak minus
-    the last stage's weights and prime gradients). `fast_weight_factor` (fast_weight_bytes_per_update) adds
-    what the fp32 fast weights of the current code hold beyond the recording's bf16 ones:
+    the last stage's weights and prime gradients). For a recording older than the fp32 fast weights,
+    `fast_weight_factor` (fast_weight_bytes_per_update) adds what they hold beyond the recording's bf16 ones:
     updates x factor x P x (4 - 2) B + P x 4 B (the fp32 copy of W_0), P = prime MLP parameters.
     """
     from ds_ttt.model.presets import backbone_config
@@ -91,6 +107,8 @@ def qwen3_8b_estimate(gpu_dir: pathlib.Path = GPU_RESULTS, *, global_batch: int 
     last = json.loads((gpu_dir / "last_stage.json").read_text())
     fb = json.loads((gpu_dir / "flashbob_cuda.json").read_text())
     env = json.loads((gpu_dir / "environment.json").read_text())
+    if fast_weight_factor is not None and recorded_with_fp32_fast_weights(env.get("git_commit")):
+        fast_weight_factor = None  # the recording already holds the fp32 fast weights: nothing to add
     num_adaptive = last["config"]["num_adaptive"]
     num_frozen = cfg.num_hidden_layers - num_adaptive
     c, v, f = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size

@@ -6,7 +6,7 @@ reasoning (text derived from the estimate's numbers).
 
 from __future__ import annotations
 
-from .estimate import longest_fitting_context
+from .estimate import FP32_FAST_WEIGHTS_COMMIT, longest_fitting_context
 from .memory import GIB, USABLE_80GB, USABLE_141GB, ZERO1_FP32_GRAD_BYTES, ZERO1_OPTIMIZER_BYTES
 
 def _ms(x: float) -> str:
@@ -237,7 +237,7 @@ def qwen3_8b_markdown(est: dict) -> list[str]:
          f"{_gib(est['weight_bytes_all'])} GiB; PP2/PP4: the last stage, {_gib(est['weight_bytes_last_stage'])} GiB) + bf16 "
          f"prime gradients ({_gib(est['grad_bytes'])} GiB) + ZeRO-1 optimizer state {_gib(est['optimizer_bytes_dp1'])} GiB / dp "
          "+ activations (the recorded peak minus the last stage's weights and gradients). "
-         + (f"The recording predates the fp32 fast weights (commit 8a7fc85); the column 'fp32 fast "
+         + (f"The recording predates the fp32 fast weights (commit {FP32_FAST_WEIGHTS_COMMIT}); the column 'fp32 fast "
             f"weights' adds what they hold more: measured on CPU with the current code, each inner update keeps "
             f"{fw:.2f} fp32 copies of the prime weights, so per update +{fw:.2f} x {_gib(est['prime_mlp_params'] * 2)} GiB "
             f"over bf16, plus the fp32 copy of W_0 ({_gib(est['prime_mlp_params'] * 4)} GiB)." if fw is not None else "")

@@ -198,14 +198,33 @@ def test_stage_probe_smoke_on_cpu():
     assert res["updates"] >= 2
 
 
+def test_fp32_fast_weights_are_added_only_to_a_recording_made_without_them(tmp_path):
+    """The committed H200 recording (made after the fp32 fast weights) is used as it is; the same files
+    stamped with the older recording's commit get the fp32 copies added (failed on the code before: the
+    estimate added them to every recording, counting them twice in the new one)."""
+    assert not estimate.recorded_with_fp32_fast_weights("7c57737")  # the 2026-11-30 recording
+    assert estimate.recorded_with_fp32_fast_weights(estimate.FP32_FAST_WEIGHTS_COMMIT)
+    with pytest.raises(ValueError, match="not in this clone's history"):
+        estimate.recorded_with_fp32_fast_weights("0123456789abcdef0123456789abcdef01234567")
+    est = estimate.qwen3_8b_estimate(last_stage_fwd_fraction=0.45, frozen_backward=False, fast_weight_factor=1.0)
+    assert est["fast_weight_factor"] is None and all("fp32_fast_weights" not in r["busiest_rank_bytes"] for r in est["rows"])
+    for name in ("last_stage.json", "flashbob_cuda.json"):
+        (tmp_path / name).write_text((estimate.GPU_RESULTS / name).read_text())
+    env = json.loads((estimate.GPU_RESULTS / "environment.json").read_text())
+    (tmp_path / "environment.json").write_text(json.dumps({**env, "git_commit": "7c57737"}))
+    old = estimate.qwen3_8b_estimate(last_stage_fwd_fraction=0.45, frozen_backward=False, fast_weight_factor=1.0,
+                                     gpu_dir=tmp_path)
+    assert old["fast_weight_factor"] == 1.0 and old["rows"]
+    for r in old["rows"]:
+        m = r["busiest_rank_bytes"]
+        extra = r["updates"] * old["prime_mlp_params"] * 2 + old["prime_mlp_params"] * 4
+        assert m["fp32_fast_weights"] - m["recorded_inner_loop"] == pytest.approx(extra)
+
+
 def test_qwen3_8b_estimate_from_the_recorded_h200_files():
     est = estimate.qwen3_8b_estimate(last_stage_fwd_fraction=0.45, frozen_backward=False, fast_weight_factor=1.0)
     rows = {(r["tokens"], r["backend"], r["layout"]): r for r in est["rows"]}
     assert est["prime_mlp_params"] == 9 * 3 * 4096 * 12288
-    for r in est["rows"]:
-        m = r["busiest_rank_bytes"]
-        extra = r["updates"] * est["prime_mlp_params"] * 2 + est["prime_mlp_params"] * 4
-        assert m["fp32_fast_weights"] - m["recorded_inner_loop"] == pytest.approx(extra)
     pp4, pp1 = rows[(8192, "cuda", "PP4xDP1")], rows[(8192, "cuda", "PP1xDP4")]
     rate = min(pp4["by_rate"])
     # the last stage dominates: 4 replicas of it give ~4x one pipeline's throughput

@@ -2,7 +2,8 @@
 
 For each trajectory (one row of the right-padded batch) and each round r = 0, 1, 2, ... (an "event"):
   1. run the round's tokens through the adaptive layers with the current fast weights W_{r-1},
-     attending to the key/value cache of earlier rounds as the context policy allows;
+     attending to the key/value cache of earlier rounds as the context policy allows
+     (forward.forward_chunk with an EventCache: the same layer loop as serving's);
   2. score the action tokens (outer loss, "before the observation is learned") and the
      observation tokens (inner loss L_obs) with the same W_{r-1};
   3. W_r = inner_sgd_step(L_obs, W_{r-1}) with create_graph=True, so the outer loss of every later
@@ -44,7 +45,8 @@ from torch.utils.checkpoint import checkpoint
 from ds_ttt.config import TTTConfig
 from ds_ttt.data.token_kind import TokenKind
 from ds_ttt.model.context import ContextPolicy, LayerCache
-from ds_ttt.model.fast_weights import FastWeights, KeyHistory, inner_loop_weights, inner_update
+from ds_ttt.model.fast_weights import FastWeights, inner_loop_weights, inner_update
+from ds_ttt.model.forward import EventCache, forward_chunk, uses_key_state
 
 
 
@@ -103,49 +105,6 @@ class EventLoopOutput:
     @property
     def num_updates(self) -> int:
         return self.num_update_attempts - self.num_skipped
-
-
-def attention_for_event(backend: str, span):
-    from ds_ttt.ops.flashbob import attention
-
-    def attend(q, k, v):
-        return attention(q, k, v, causal=True, window=span.window, q_offset=span.q_offset,
-                         k_offset=span.k_offset, backend=backend)
-    return attend
-
-
-def uses_key_state(layer: nn.Module) -> bool:
-    """Does the layer's key read or write a KeyHistory (key shift, round address or write rate)?"""
-    return getattr(layer, "is_adaptive", False) and layer.prime_mlp.has_key_io
-
-
-def forward_event(layers: Sequence[nn.Module], caches: list[LayerCache], hidden_1TC: torch.Tensor,
-                  pos_emb, start: int, round_id: int, policy: ContextPolicy, backend: str,
-                  fast_weights: FastWeights | None, key_prev: Sequence[torch.Tensor] = ()):
-    """New tokens (positions start.., round `round_id`) through `layers` against their caches.
-
-    Returns (hidden, [(kept_cache, k_new, v_new) per layer], [key state out per key-state layer],
-    write rate [1, T] or None). Layers with a prime MLP consume three fast-weight tensors each, in
-    order; layers with a key state consume one entry of `key_prev` each ([1, S, C]: the state before
-    this event), in order.
-    """
-    it = iter(fast_weights or ())
-    prev = iter(key_prev)
-    outs, key_last, rate = [], [], None
-    for layer, cache in zip(layers, caches):
-        kept, span = policy.select(cache, start, round_id)
-        inner = attention_for_event(backend, span)
-
-        def attend(q, k, v, kept=kept, inner=inner):
-            return inner(q, torch.cat([kept.k_1HSD, k], 2), torch.cat([kept.v_1HSD, v], 2))
-        w = (next(it), next(it), next(it)) if getattr(layer, "is_adaptive", False) and fast_weights else None
-        history = KeyHistory(prev_BSC=next(prev)) if uses_key_state(layer) else None
-        hidden_1TC, (k, v) = layer(hidden_1TC, pos_emb, attend, w, history)
-        outs.append((kept, k, v))
-        if history is not None:
-            key_last.append(history.last_BSC)
-            rate = history.write_rate_BT if history.write_rate_BT is not None else rate
-    return hidden_1TC, outs, key_last, rate
 
 
 def _nll(suffix: SuffixModules, hidden_1TC, label_idx, labels, in_graph=None):
@@ -313,12 +272,13 @@ def _run_event(loop: _Loop, plan: _EventPlan, carried: _Carried, h_event: torch.
 
     def score(h, ws, kvs, tails, in_graph=act_mask | obs_mask):
         cs = [LayerCache(kvs[2 * i], kvs[2 * i + 1], c.positions_S, c.rounds_S) for i, c in enumerate(kept)]
-        h_out, outs, key_last, rate = forward_event(suffix.layers, cs, h, suffix.rotary_emb(h, positions), start,
-                                                    round_id, policy, ttt.attention_backend, ws, tails)
-        nll, logits = _nll(suffix, h_out, local, tgt, in_graph=in_graph if loop.record else None)
+        cache = EventCache(cs, start, round_id, policy, ttt.attention_backend)
+        out = forward_chunk(suffix.layers, h, suffix.rotary_emb(h, positions), cache, fast_weights=ws, key_prev=tails)
+        nll, logits = _nll(suffix, out.hidden_BTC, local, tgt, in_graph=in_graph if loop.record else None)
         # the inner loss's weights: the observation labels, each at its write rate when the model has one
+        rate = out.write_rate_BT
         inner_w = obs_mask if rate is None else obs_mask * rate[0, local]
-        return nll, logits, [t for _, k, v in outs for t in (k, v)], key_last, inner_w
+        return nll, logits, [t for _, k, v in cache.outs for t in (k, v)], out.key_last, inner_w
 
     def step(h, *flat, nw=len(weights), nkv=2 * len(kept)):
         ws, kvs, tails = tuple(flat[:nw]), flat[nw:nw + nkv], flat[nw + nkv:]

@@ -44,6 +44,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from ds_ttt.config import TTTConfig
 from ds_ttt.model.context import ContextPolicy
 from ds_ttt.model.fast_weights import FastWeights, KeyHistory, PrimeMLP
+from ds_ttt.model.forward import WholeSequence, forward_chunk
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -182,9 +183,7 @@ def run_decoder_layers(layers, hidden_BTC: torch.Tensor, rounds_BT: torch.Tensor
                                 layers[0].self_attn.scaling)
     # the key shift's history restarts where attention's context does (each round under current_round)
     segments = rounds_BT if policy.rounds_are_segments else None
-    for layer in layers:
-        hidden_BTC, _ = layer(hidden_BTC, pos_emb, attend, key_history=KeyHistory(segments_BT=segments))
-    return hidden_BTC
+    return forward_chunk(layers, hidden_BTC, pos_emb, WholeSequence(attend), segments_BT=segments).hidden_BTC
 
 
 TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # one parameter when tie_word_embeddings

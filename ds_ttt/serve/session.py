@@ -13,7 +13,9 @@ Exactly the training computation (ds_ttt/model/event_loop.py), incrementally:
     conversation has the same token ids, kinds and round ids as `render_trajectory` of it;
   * every layer runs event-wise against this session's preallocated key/value cache (kv_cache.py),
     laid out so that the model's context policy is one contiguous slice of it; that is mathematically
-    what training computes with a whole-sequence mask for the frozen prefix;
+    what training computes with a whole-sequence mask for the frozen prefix. The layer loop is the
+    model's own (ds_ttt/model/forward.py `forward_chunk`, the one training's events run); this session
+    only supplies its cache (session_chunk.py);
   * round r (`<|im_start|>assistant\n`, the action, `\n`, then the tool results) is processed with the
     fast weights W_{r-1}. `observe` re-runs the whole round in one chunk from the cache as it was before
     the round — as the training event does — so the inner gradient also flows through the action
@@ -22,9 +24,8 @@ Exactly the training computation (ds_ttt/model/event_loop.py), incrementally:
     (`update=False`: a frozen session, W_0 throughout).
 Generation is greedy (temperature 0) or sampled (temperature, top-p, seeded) until `<|im_end|>`,
 one token per step into the preallocated cache (no re-concatenation per token). Attention outside
-the inner step uses PyTorch's fused SDPA (no mask for a one-token step, which sees its whole cache
-slice, or for a prefill on an empty cache, which is plain causal; FlashBoB's visibility mask for any
-other chunk); the inner step (observe) runs the configured FlashBoB backend.
+the inner step uses PyTorch's fused SDPA, the inner step (observe) the configured FlashBoB backend
+(session_chunk.py says which mask each chunk gets).
 Round 0 is prefilled in two chunks, its system block (system prompt + tool schemas) and the rest, so
 that a shared system-prompt cache (`prefix_cache=`, ds_ttt/serve/prefix_cache.py) can supply the first
 exactly. Every session starts from one shared fp32 copy of W_0 (`AgentModel.initial_weights`).
@@ -51,11 +52,11 @@ from ds_ttt.data.render import (
     parse_assistant_message, render_action, render_action_end, render_generation_prompt, render_message,
     render_trajectory)
 from ds_ttt.data.token_kind import TokenKind
-from ds_ttt.model.event_loop import observation_labels, uses_key_state
-from ds_ttt.model.fast_weights import KeyHistory, fast_weight_dtype, inner_update
-from ds_ttt.ops.flashbob import attention
-from ds_ttt.ops.flashbob.reference import visibility_mask
+from ds_ttt.model.event_loop import observation_labels
+from ds_ttt.model.fast_weights import fast_weight_dtype, inner_update
+from ds_ttt.model.forward import forward_chunk, uses_key_state
 from ds_ttt.serve.kv_cache import KVCache
+from ds_ttt.serve.session_chunk import SessionChunk
 
 
 
@@ -280,47 +281,15 @@ class AgentSession:
         ids = torch.tensor([chunk_ids], device=dev)
         h = m.model.embed_tokens(ids)
         pos_emb = m.model.rotary_emb(h, torch.arange(start, start + n, device=dev)[None])
-        lo = m.policy.visible_from(slot)
-        window = m.policy.attention_window
-        backend = m.ttt.attention_backend
-        new_kv = [] if keep_graph else None
-        # Without a graph, attention runs on PyTorch's fused SDPA: one new token (a decode step) sees
-        # every slot of its slice; a chunk on an empty slice (the prompt's prefill) is plain causal
-        # attention (SDPA's is_causal, O(N) memory in its flash kernels); any other chunk (after cached
-        # keys: the rest of round 0, a generation prompt, a turn's end; or in a window) gets FlashBoB's
-        # visibility mask as an explicit one. The inner step (keep_graph) runs the FlashBoB backend.
-        fused, mask = None, None
-        if not keep_graph:
-            fused = "one" if n == 1 else "causal" if slot == lo and window == 0 else "mask"
-            if fused == "mask":
-                mask = visibility_mask(n, slot + n - lo, causal=True, window=window, q_offset=slot - lo, k_offset=0,
-                                       device=dev)
-        it = iter(weights or ())
+        chunk = SessionChunk(cache, slot, n, policy=m.policy, backend=m.ttt.attention_backend, keep_graph=keep_graph,
+                             device=dev)
         new_round = m.policy.segment_starts_at(slot, self._s.prompt_slots if self._s is not None else None)
-        shifts = [layer for layer in m.model.layers if uses_key_state(layer)]
-        key_prev = iter([None] * len(shifts) if new_round or not shifts else cache.key_history_at(slot))
-        key_last = []
-        for i, layer in enumerate(m.model.layers):
-            def attend(q, k, v, i=i):
-                if keep_graph:
-                    k_old, v_old = cache.view(i, lo, slot)
-                    new_kv.append((k, v))
-                    k_all, v_all = torch.cat([k_old, k], 2), torch.cat([v_old, v], 2)
-                else:
-                    cache.write(i, slot, k, v)
-                    k_all, v_all = cache.view(i, lo, slot + n)
-                if fused is not None:
-                    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=fused == "causal",
-                                                          enable_gqa=True)
-                return attention(q, k_all, v_all, causal=True, window=window, q_offset=slot - lo, k_offset=0,
-                                 backend=backend)
-            w = (next(it), next(it), next(it)) if layer.is_adaptive and weights else None
-            history = KeyHistory(prev_BSC=next(key_prev)) if uses_key_state(layer) else None
-            h, _ = layer(h, pos_emb, attend, w, history)
-            if history is not None:
-                key_last.append(history.last_BSC)
-                if history.write_rate_BT is not None and write_rates is not None:
-                    write_rates.append(history.write_rate_BT[0, torch.tensor(want, dtype=torch.long, device=dev)])
+        has_key_state = any(uses_key_state(layer) for layer in m.model.layers)
+        key_prev = None if new_round or not has_key_state else cache.key_history_at(slot)
+        out = forward_chunk(m.model.layers, h, pos_emb, chunk, fast_weights=weights, key_prev=key_prev)
+        h, key_last, new_kv = out.hidden_BTC, out.key_last, chunk.new_kv
+        if out.write_rate_BT is not None and write_rates is not None:
+            write_rates.append(out.write_rate_BT[0, torch.tensor(want, dtype=torch.long, device=dev)])
         if keep_graph:
             cache.key_pending = (slot + n, [t.detach() for t in key_last])
         else:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -50,6 +52,26 @@ def _check_int(name: str, value, *, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+@dataclass(frozen=True)
+class KernelLimits:
+    """What one backend's kernels run on: the device type (None: any), dtypes and head dims, with the fix
+    each refusal names."""
+
+    device_type: str | None
+    dtypes: tuple
+    dtype_fix: str
+    head_dims: Callable[[int], bool] | None = None  # None: any head dim
+    head_dims_text: str = ""
+
+
+KERNEL_LIMITS = {
+    "reference": KernelLimits(None, REFERENCE_DTYPES, "cast to one of them"),
+    "cpu": KernelLimits("cpu", CPU_DTYPES, "use backend='reference' or upcast", lambda d: d <= 256, "max 256"),
+    "cuda": KernelLimits("cuda", CUDA_DTYPES, "cast to one of them or use backend='reference'",
+                         lambda d: d in CUDA_HEAD_DIMS, f"supported: {CUDA_HEAD_DIMS}"),
+}
+
+
 def choose_backend(requested: str, *, device: torch.device | str, dtype: torch.dtype,
                    head_dim: int | None = None) -> str:
     """The concrete backend ("reference", "cpu" or "cuda") that `requested` runs on for tensors of this
@@ -66,30 +88,16 @@ def choose_backend(requested: str, *, device: torch.device | str, dtype: torch.d
             raise ValueError(f"backend='auto' has no kernel for device {device}; "
                              "use backend='reference'")
         backend = "cuda" if device.type == "cuda" else "cpu"
-    if backend == "reference":
-        if dtype not in REFERENCE_DTYPES:
-            raise TypeError(f"dtype {dtype} unsupported by backend 'reference' "
-                            f"(supported: {REFERENCE_DTYPES}; cast to one of them)")
-    elif backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"backend 'cpu' needs CPU tensors, got device {device}; "
-                             "use backend='auto' (the kernel of the device) or 'reference'")
-        if dtype not in CPU_DTYPES:
-            raise TypeError(f"dtype {dtype} unsupported by backend 'cpu' "
-                            f"(supported: {CPU_DTYPES}; use backend='reference' or upcast)")
-        if head_dim is not None and head_dim > 256:
-            raise ValueError(f"head dim {head_dim} unsupported by backend 'cpu' (max 256); "
-                             "use backend='reference'")
-    elif backend == "cuda":
-        if device.type != "cuda":
-            raise ValueError(f"backend 'cuda' needs CUDA tensors, got device {device}; "
-                             "use backend='auto' (the kernel of the device) or 'reference'")
-        if dtype not in CUDA_DTYPES:
-            raise TypeError(f"dtype {dtype} unsupported by backend 'cuda' "
-                            f"(supported: {CUDA_DTYPES}; cast to one of them or use backend='reference')")
-        if head_dim is not None and head_dim not in CUDA_HEAD_DIMS:
-            raise ValueError(f"head dim {head_dim} unsupported by backend 'cuda' "
-                             f"(supported: {CUDA_HEAD_DIMS}); use backend='reference'")
+    limits = KERNEL_LIMITS[backend]
+    if limits.device_type is not None and device.type != limits.device_type:
+        raise ValueError(f"backend {backend!r} needs {limits.device_type.upper()} tensors, got device {device}; "
+                         "use backend='auto' (the kernel of the device) or 'reference'")
+    if dtype not in limits.dtypes:
+        raise TypeError(f"dtype {dtype} unsupported by backend {backend!r} "
+                        f"(supported: {limits.dtypes}; {limits.dtype_fix})")
+    if head_dim is not None and limits.head_dims is not None and not limits.head_dims(head_dim):
+        raise ValueError(f"head dim {head_dim} unsupported by backend {backend!r} ({limits.head_dims_text}); "
+                         "use backend='reference'")
     return backend
 
 

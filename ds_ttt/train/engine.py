@@ -25,6 +25,7 @@ collective, on every rank alike); `Trainer.step` runs one optimizer step; `Train
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import time
@@ -56,6 +57,21 @@ from ds_ttt.train.schedule import Plan, make_plan, resolved_deepspeed, start_sch
 from ds_ttt.train.shared_output import check_shared_output
 
 DATA_SEED_STRIDE = 7919  # data stage s orders its data with seed + DATA_SEED_STRIDE * s
+
+
+def rank_device() -> str:
+    """This rank's device as DeepSpeed's accelerator names it ("cpu" on the CPU accelerator)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def build_module(backbone, ttt, layout: Layout, *, seed: int, device: str) -> TTTPipelineModule:
+    """This rank's pipeline module, its parameters created on `device` (where DeepSpeed moves them anyway):
+    a Qwen3-8B-sized random init on the CPU first takes minutes, on a GPU seconds. On the CPU accelerator
+    it is the same module as before, bit for bit."""
+    with torch.device(device):
+        return TTTPipelineModule(backbone, ttt, layout, seed=seed)
 
 
 def load_backbone(run: RunConfig, manifest=None):
@@ -239,7 +255,7 @@ class Trainer:
             moved = convert_for_move(start.move, run_dir, rank=rank, share=broadcast_from_rank0)
             ds_engine = with_universal_load(ds_resolved)  # this launch's load only; the record keeps ds_resolved
         torch.manual_seed(run.seed)
-        module = TTTPipelineModule(backbone, run.ttt, layout, seed=run.seed)
+        module = build_module(backbone, run.ttt, layout, seed=run.seed, device=rank_device())
         if run.model and start.info is None:
             load_hf_weights({hf: p for _, _, hf, p in module.local_hf_named_parameters()}, run.model, backbone)
         params = [p for p in module.parameters() if p.requires_grad]

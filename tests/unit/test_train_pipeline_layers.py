@@ -327,3 +327,22 @@ def test_gradient_free_boundary_is_bit_exact(dtype):
     assert torch.equal(as_hidden(sent.clone(), dtype), h.detach())
     with pytest.raises(TypeError, match="uint8"):
         as_hidden(torch.zeros(2, 5, 8, dtype=torch.int32), dtype)
+
+
+def test_module_is_built_on_the_rank_device(monkeypatch):
+    """The trainer builds its pipeline module under the rank's device, so a GPU rank's parameters are born
+    there (an 8B random init on the CPU outlasted the H200 trainer phase); the CPU accelerator's device is
+    the CPU, so CPU runs build exactly what they built before."""
+    from ds_ttt.train import engine
+
+    seen = []
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            seen.append((torch.get_default_device().type, kwargs))
+    monkeypatch.setattr(engine, "TTTPipelineModule", Spy)
+    engine.build_module("backbone", "ttt", "layout", seed=7, device="meta")
+    assert seen == [("meta", {"seed": 7})]
+    assert torch.get_default_device().type == "cpu"  # the context ends with the build
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert engine.rank_device() == "cpu"

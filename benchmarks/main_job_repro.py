@@ -16,6 +16,9 @@ Every file must exist in both trees. How each kind is compared:
                    does); tensors equal bit for bit (torch.equal), other values equal after the same path
                    replacement (DeepSpeed's module file keeps the run's client state, paths included);
   .md / .png       skipped: reports rendered from the JSON beside them, with timings in them;
+  .log             skipped: a step's progress output (bars with rates and times), its results are files;
+  tasks/...        byte for byte, whatever the suffix: the task suite's files are task data (a recovery
+                   task's broken config.json is its point), not records to parse;
   everything else  byte for byte (the raw trajectories, checkpoint shards, optimizer states, safetensors).
 The checkpoint weights behind a replaced checkpoint hash are compared as files, so nothing is trusted
 without a check. Also reported: each run's median training step time (metrics.jsonl, from step 11)
@@ -67,6 +70,9 @@ class Run:
         return statistics.median(r["step_time_s"] for r in rows[10:])
 
 
+TASKS_DIR = "tasks"  # WORK/tasks: the closed-loop task suite (evals/task_suite.py), compared byte for byte
+
+
 def drop_wall_clock(value):
     if isinstance(value, dict):
         return {k: drop_wall_clock(v) for k, v in value.items() if not WALL_CLOCK.match(k)}
@@ -97,8 +103,10 @@ def same_state(a, b, run_a: Run, run_b: Run) -> bool:
 
 def same_file(rel: pathlib.Path, run_a: Run, run_b: Run) -> bool | None:
     """True/False, or None for a report skipped by design."""
-    if rel.suffix in (".md", ".png"):
+    if rel.suffix in (".md", ".png", ".log"):
         return None
+    if rel.parts[0] == TASKS_DIR:  # the task suite's files are task data (a task may ship a broken config.json)
+        return sha256_file(run_a.root / rel) == sha256_file(run_b.root / rel)
     if rel.suffix in (".json", ".jsonl"):
         return load_json(run_a, rel) == load_json(run_b, rel)
     if rel.name.endswith("model_states.pt"):

@@ -81,3 +81,23 @@ def test_a_file_missing_from_one_run_is_a_difference(tmp_path):
     (b / "raw" / "extra.jsonl").write_text("{}\n")
     result = script.compare(a, b)
     assert not result["identical"] and result["files_in_one_run_only"] == ["raw/extra.jsonl"]
+
+
+def test_task_data_is_compared_as_bytes_and_progress_logs_are_skipped(tmp_path):
+    """A task of the suite may ship a file that only looks like JSON (a recovery task's broken config.json):
+    the tasks/ folder is compared byte for byte, never parsed; a step's .log (progress bars with times) is
+    skipped like a report (failed on the code before: the broken config.json raised JSONDecodeError and the
+    two task_suite.log files were named different)."""
+    script = load_script()
+    runs = []
+    for name, when in (("a", "1.0s/task"), ("b", "2.5s/task")):
+        root = fake_run(tmp_path / name, step_time=1.0)
+        env = root / "tasks" / "test-recovery_missing_file-000" / "environment"
+        env.mkdir(parents=True)
+        (env / "config.json").write_text("name: harbor\nthreads: 4\n")
+        (root / "task_suite.log").write_text(f"tasks: 100% 17/17 [{when}]\n")
+        runs.append(root)
+    result = script.compare(*runs)
+    assert result["identical"] and result["files_skipped_reports"] == 2, result
+    (runs[1] / "tasks" / "test-recovery_missing_file-000" / "environment" / "config.json").write_text("name: x\n")
+    assert script.compare(*runs)["files_different"] == ["tasks/test-recovery_missing_file-000/environment/config.json"]

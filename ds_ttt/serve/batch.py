@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ds_ttt.model.event_loop import uses_key_state
 from ds_ttt.model.fast_weights import KeyHistory
+from ds_ttt.serve.kv_pool import KVPool
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -63,8 +64,32 @@ class WeightStacks:
         return self.weights
 
 
-def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = None) -> torch.Tensor:
-    """The logits [B, V] of each row's next token (call under torch.inference_mode, caches grown)."""
+def pooled_attention(q_BH1D: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor | None,
+                     span: int, length: int, mask: torch.Tensor) -> torch.Tensor:
+    """One attention call for every row of a decode step, over the pool's rows 0..span-1 read in place.
+
+    q_BH1D: the step's queries (row b of the batch lives in pool row rows[b]; rows None: row b is pool
+    row b, span == B). The G query heads of a kv head are laid out along the query axis ([span, Hkv, G, D],
+    the same head grouping SDPA's enable_gqa uses), so no backend repeats the keys per query head.
+    mask: KVPool.visibility, [span, 1, 1, length]. Returns [B, H, 1, D]."""
+    b, hq, _, d = q_BH1D.shape
+    hkv = k_pool.shape[1]
+    if rows is None:
+        q = q_BH1D
+    else:  # holes (pool rows not in this step) get a zero query; their output is dropped
+        q = q_BH1D.new_zeros(span, hq, 1, d)
+        q[rows] = q_BH1D
+    out = F.scaled_dot_product_attention(q.reshape(span, hkv, hq // hkv, d), k_pool[:span, :, :length],
+                                         v_pool[:span, :, :length], attn_mask=mask)
+    out = out.reshape(span, hq, 1, d)
+    return out if rows is None else out[rows]
+
+
+def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = None, pool: KVPool | None = None
+                          ) -> torch.Tensor:
+    """The logits [B, V] of each row's next token (call under torch.inference_mode, caches grown).
+    Every row's cache is moved into `pool` if it is not there yet (its first step; kv_pool.py), by
+    default the pool the first row's cache is already in, else the agent's own."""
     m, dev = agent.model, agent.device
     b = len(decodes)
     ids = torch.tensor([[d.action[-1]] for d in decodes], device=dev)
@@ -72,6 +97,20 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
     slots = [d.slot - 1 for d in decodes]
     caches = [d.s.cache for d in decodes]
     los = [m.policy.visible_from(slot) for slot in slots]
+    pool = pool or caches[0].pool or decode_pool(agent)
+    for cache in caches:
+        pool.admit(cache)
+    rows_list = [c.row for c in caches]
+    if len(set(rows_list)) != b:
+        raise ValueError("batched_decode_logits: two rows share one KV cache; fork the session for each reply")
+    span = pool.span
+    length = max(slots) + 1
+    mask = pool.visibility(rows_list, los, slots, span, length)
+    rows = None if rows_list == list(range(span)) else torch.tensor(rows_list, device=dev)
+    write_rows = torch.tensor(rows_list, device=dev)
+    write_slots = torch.tensor(slots, device=dev)
+    for c, slot in zip(caches, slots):
+        c.used = max(c.used, slot + 1)
     h = m.model.embed_tokens(ids)  # [B, 1, C]
     pos_emb = m.model.rotary_emb(h, positions)
     has_weights = all(len(d.w) for d in decodes)
@@ -86,12 +125,10 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
     last_rows: list[list] = [[] for _ in range(b)]
     for i, layer in enumerate(m.model.layers):
         def attend(q, k, v, i=i):
-            outs = []
-            for r in range(b):
-                caches[r].write(i, slots[r], k[r:r + 1], v[r:r + 1])
-                k_all, v_all = caches[r].view(i, los[r], slots[r] + 1)
-                outs.append(F.scaled_dot_product_attention(q[r:r + 1], k_all, v_all, enable_gqa=True))
-            return torch.cat(outs, 0)
+            k_pool, v_pool = pool.k[i], pool.v[i]
+            k_pool[write_rows, :, write_slots] = k[:, :, 0]  # every row's new key at its slot: one op
+            v_pool[write_rows, :, write_slots] = v[:, :, 0]
+            return pooled_attention(q, k_pool, v_pool, rows, span, length, mask)
         w = (next(stacked), next(stacked), next(stacked)) if layer.is_adaptive and has_weights else None
         history = None
         if uses_key_state(layer):
@@ -108,3 +145,11 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
             cache.key_tail = (slots[r] + 1, last_rows[r])
     logits = m.lm_head(m.model.norm(h[:, -1]))
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def decode_pool(agent) -> KVPool:
+    """The agent's own decode pool (made on first use), for callers that bring none (the scheduler has its own)."""
+    pool = getattr(agent, "_decode_pool", None)
+    if pool is None:
+        pool = agent._decode_pool = KVPool.for_model(agent.model)
+    return pool

@@ -80,12 +80,14 @@ class BatchScheduler:
 
     def __init__(self, agent, *, max_batch: int = 16):
         from ds_ttt.serve.batch import WeightStacks, batched_decode_logits
+        from ds_ttt.serve.kv_pool import KVPool
         from ds_ttt.serve.session import row_stats
 
         self.agent, self.max_batch = agent, max_batch
         self._forward = batched_decode_logits
         self._row_stats = row_stats
         self._stacks = WeightStacks()
+        self.pool = KVPool.for_model(agent.model)  # the active replies' caches, one row each (kv_pool.py)
         self._cv = threading.Condition()
         self._chunks: collections.deque = collections.deque()  # (fn, future, cancel)
         self._new: collections.deque = collections.deque()  # (_Group, decode)
@@ -129,12 +131,15 @@ class BatchScheduler:
         forward) / decode_seconds is the decode throughput of the batch alone, without the prefill and
         observation chunks interleaved with it (a reply's first token comes from its start chunk)."""
         return {"steps": self.steps, "rows": self.rows, "mean_batch": self.rows / max(self.steps, 1),
-                "decode_seconds": self.decode_seconds, "chunk_seconds": self.chunk_seconds}
+                "decode_seconds": self.decode_seconds, "chunk_seconds": self.chunk_seconds,
+                "pool": self.pool.stats()}
 
     # ---- the scheduler thread ----------------------------------------------------------------------
     def _fail(self, group: _Group, e: BaseException) -> None:
         if not group.future.done():
             group.future.set_exception(e)
+        for d in group.decodes:  # a dropped reply gives its pool row back
+            d.s.cache.leave_pool()
         self._active = [a for a in self._active if a[0] is not group]
 
     def _finish_row(self, group: _Group, d) -> None:
@@ -217,7 +222,7 @@ class BatchScheduler:
             if not stepping:
                 return
             try:
-                logits = self._forward(self.agent, [d for _, d in stepping], self._stacks)
+                logits = self._forward(self.agent, [d for _, d in stepping], self._stacks, self.pool)
             except BaseException as e:  # noqa: BLE001 - every row of this step fails alike
                 for g, _ in stepping:
                     self._fail(g, e)

@@ -708,4 +708,5 @@ class Decode:
         if self.stopped is None:
             self.text = ses.tokenizer.decode(action, skip_special_tokens=False)
         ses._forward(tail + ag.action_end_ids, pos, slot, self.s.cache, self.w, [])
+        self.s.cache.leave_pool()  # a batched reply's row back to the pool (ds_ttt/serve/kv_pool.py)
         self.closed = True

@@ -1,0 +1,155 @@
+"""The decode pool: the KV caches of the replies being decoded together, as rows of shared per-layer tensors.
+
+    pool = KVPool.for_model(model)                   # empty; the BatchScheduler owns one
+    pool.admit(cache)                                # a session's KVCache becomes a handle onto a free row
+    k, v = pool.k[layer], pool.v[layer]              # [R, H, S, D]: every row, one tensor per layer
+    mask = pool.visibility(rows, los, slots)         # [n, 1, 1, S]: each row's visible slice [lo, slot]
+    cache.leave_pool()                               # the reply ended: the row's slots copied back, row freed
+
+Why rows of one tensor: a batched decode step (ds_ttt/serve/batch.py) attends for every row in ONE
+call per layer, over the view `pool.k[layer][:n, :, :S]` (n = the highest row in use + 1, S = the
+longest row's visible end): no per-step copy or stack of anyone's cache. A row's visible slice is one
+contiguous range [lo, slot] of its own slots (kv_cache.py: the slot layout makes every context policy
+a contiguous slice), so a boolean mask per row over the padded length is exact; the masked-out slots
+add exp(-inf) = 0. Rows not in the step (a hole left by a finished reply) get a zero query that sees
+slot 0 only, so they stay finite and are discarded. The pool is zero-filled (never uninitialized),
+so a masked slot never multiplies garbage (0 * NaN would poison a real row).
+
+Lifetime: a cache joins when its reply's first batched step comes (one copy of its written slots,
+O(S) per reply, not per step) and leaves when the reply is closed (one copy back into a private
+buffer of its own capacity), so idle sessions hold no pool memory and forks, the prefix cache and the
+server's memory accounting see ordinary private caches. Growth is geometric and amortized: a row
+that needs more slots than the pool has doubles the pool's slot capacity, more rows than it has
+double its row count (each a reallocation and one copy of the contents); a freed row is reused, the
+lowest first, so a steady batch keeps its rows packed at 0..n-1.
+
+Not thread-safe beyond admit/free (one scheduler thread decodes; a handle dropped on another
+thread only frees its row).
+
+Shape letters: R rows, H kv heads, S slots, D head dim, L layers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+
+import torch
+
+
+class KVPool:
+    def __init__(self, k_RHSD: list[torch.Tensor], v_RHSD: list[torch.Tensor], max_capacity: int):
+        self.k, self.v = k_RHSD, v_RHSD
+        self.max_capacity = max_capacity
+        self.owner: list = [None] * self.rows  # per row: the KVCache holding it (None: free)
+        self._free = list(range(self.rows))  # a heap: the lowest free row first
+        self._lock = threading.Lock()
+        self.admitted = 0  # caches that joined (counters for GET /health and the benchmark)
+        self.grows = 0  # reallocations (rows or slots)
+
+    @classmethod
+    def for_model(cls, model, *, rows: int = 1, capacity: int = 1, max_capacity: int | None = None) -> "KVPool":
+        """A zero-filled pool for every decoder layer of a TTTQwen3ForCausalLM (its device and dtype)."""
+        max_capacity = max_capacity or model.config.max_position_embeddings
+        ks, vs = [], []
+        with torch.inference_mode(False):  # usable outside inference_mode later (observe's autograd)
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                p = attn.k_proj.weight
+                shape = (max(1, rows), attn.config.num_key_value_heads, max(1, capacity), attn.head_dim)
+                ks.append(p.new_zeros(shape))
+                vs.append(p.new_zeros(shape))
+        return cls(ks, vs, max_capacity)
+
+    @property
+    def rows(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def rows_in_use(self) -> int:
+        return sum(o is not None for o in self.owner)
+
+    @property
+    def span(self) -> int:
+        """Rows 0..span-1 hold every row in use (what a batched step reads)."""
+        used = [r for r, o in enumerate(self.owner) if o is not None]
+        return used[-1] + 1 if used else 0
+
+    def stats(self) -> dict:
+        return {"rows": self.rows, "rows_in_use": self.rows_in_use, "capacity": self.capacity,
+                "admitted": self.admitted, "grows": self.grows}
+
+    # ---- rows ----------------------------------------------------------------------------------------
+    def admit(self, cache) -> int:
+        """Move `cache` (a private KVCache) into a free row: its written slots are copied once, and from
+        now on its write/view/ensure read and write the row in place. Returns the row."""
+        if cache.pool is self:
+            return cache.row
+        if cache.pool is not None:
+            raise ValueError("KVPool.admit: the cache already belongs to another pool; call cache.leave_pool() first")
+        if len(cache.k) != len(self.k) or cache.k[0].shape[1] != self.k[0].shape[1] \
+                or cache.k[0].shape[3] != self.k[0].shape[3] or cache.k[0].dtype != self.k[0].dtype:
+            raise ValueError(f"KVPool.admit: the cache's layers/heads/head dim/dtype "
+                             f"({len(cache.k)}, {tuple(cache.k[0].shape)}, {cache.k[0].dtype}) do not match the pool's "
+                             f"({len(self.k)}, {tuple(self.k[0].shape)}, {self.k[0].dtype}); build both for the same model")
+        self.reserve_slots(cache.capacity)
+        with self._lock:
+            if not self._free:
+                self._grow(rows=2 * self.rows)
+            row = heapq.heappop(self._free)
+            self.owner[row] = cache
+        used = cache.used
+        for layer in range(len(self.k)):
+            self.k[layer][row:row + 1, :, :used].copy_(cache.k[layer][:, :, :used])
+            self.v[layer][row:row + 1, :, :used].copy_(cache.v[layer][:, :, :used])
+        cache.bind(self, row)
+        self.admitted += 1
+        return row
+
+    def free(self, row: int) -> None:
+        """Give a row back (its contents stay until reused: finite, so a hole never produces NaN)."""
+        with self._lock:
+            if self.owner[row] is not None:
+                self.owner[row] = None
+                heapq.heappush(self._free, row)
+
+    def reserve_slots(self, num_slots: int) -> None:
+        """Make every row hold at least `num_slots` slots (doubling; contents kept)."""
+        if num_slots <= self.capacity:
+            return
+        if num_slots > self.max_capacity:
+            raise ValueError(f"KV pool: {num_slots} slots exceed the capacity {self.max_capacity}")
+        with self._lock:
+            self._grow(capacity=min(max(num_slots, 2 * self.capacity), self.max_capacity))
+
+    def _grow(self, *, rows: int | None = None, capacity: int | None = None) -> None:
+        """Reallocate every layer (called with the lock held); handles read the new tensors by row."""
+        old_rows, old_cap = self.rows, self.capacity
+        rows, capacity = rows or old_rows, capacity or old_cap
+        with torch.inference_mode(False):
+            for buf in (self.k, self.v):
+                for i, old in enumerate(buf):
+                    grown = old.new_zeros(rows, old.shape[1], capacity, old.shape[3])
+                    grown[:old_rows, :, :old_cap].copy_(old)
+                    buf[i] = grown
+        for r in range(old_rows, rows):
+            self.owner.append(None)
+            heapq.heappush(self._free, r)
+        self.grows += 1
+
+    # ---- what a batched step reads -------------------------------------------------------------------
+    def visibility(self, rows: list[int], los: list[int], slots: list[int], span: int, length: int) -> torch.Tensor:
+        """Boolean [span, 1, 1, length]: row rows[b] sees its slots los[b]..slots[b]; a row of 0..span-1 not in
+        `rows` sees slot 0 only (a finite dummy). On the pool's device."""
+        lo = torch.zeros(span, dtype=torch.long)
+        hi = torch.zeros(span, dtype=torch.long)
+        idx = torch.tensor(rows, dtype=torch.long)
+        lo[idx] = torch.tensor(los, dtype=torch.long)
+        hi[idx] = torch.tensor(slots, dtype=torch.long)
+        s = torch.arange(length)
+        mask = (s[None, :] >= lo[:, None]) & (s[None, :] <= hi[:, None])
+        return mask[:, None, None, :].to(self.k[0].device, non_blocking=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+import weakref
 
 import torch
 
@@ -41,7 +42,7 @@ class KVPool:
     def __init__(self, k_RHSD: list[torch.Tensor], v_RHSD: list[torch.Tensor], max_capacity: int):
         self.k, self.v = k_RHSD, v_RHSD
         self.max_capacity = max_capacity
-        self.owner: list = [None] * self.rows  # per row: the KVCache holding it (None: free)
+        self.owner: list = [None] * self.rows  # per row: a weak reference to the KVCache holding it (None: free)
         self._free = list(range(self.rows))  # a heap: the lowest free row first
         self._lock = threading.Lock()
         self.admitted = 0  # caches that joined (counters for GET /health and the benchmark)
@@ -101,7 +102,7 @@ class KVPool:
             if not self._free:
                 self._grow(rows=2 * self.rows)
             row = heapq.heappop(self._free)
-            self.owner[row] = cache
+            self.owner[row] = weakref.ref(cache)  # weak: a dropped cache frees its row (KVCache.__del__)
         used = cache.used
         for layer in range(len(self.k)):
             self.k[layer][row:row + 1, :, :used].copy_(cache.k[layer][:, :, :used])

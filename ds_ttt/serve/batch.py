@@ -64,24 +64,25 @@ class WeightStacks:
         return self.weights
 
 
-def pooled_attention(q_BH1D: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor | None,
+def pooled_attention(q_BHTD: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor | None,
                      span: int, length: int, mask: torch.Tensor) -> torch.Tensor:
-    """One attention call for every row of a decode step, over the pool's rows 0..span-1 read in place.
+    """One attention call for every row of a step, over the pool's rows 0..span-1 read in place.
 
-    q_BH1D: the step's queries (row b of the batch lives in pool row rows[b]; rows None: row b is pool
-    row b, span == B). The G query heads of a kv head are laid out along the query axis ([span, Hkv, G, D],
-    the same head grouping SDPA's enable_gqa uses), so no backend repeats the keys per query head.
-    mask: KVPool.visibility, [span, 1, 1, length]. Returns [B, H, 1, D]."""
-    b, hq, _, d = q_BH1D.shape
+    q_BHTD: the step's queries (row b of the batch lives in pool row rows[b]; rows None: row b is pool
+    row b, span == B). The G query heads of a kv head are laid out along the query axis ([span, Hkv,
+    G*T, D], the head grouping SDPA's enable_gqa uses), so no backend repeats the keys per query head.
+    mask: [span, 1, T, length] (KVPool.visibility / slices_mask). Returns [B, H, T, D]."""
+    b, hq, t, d = q_BHTD.shape
     hkv = k_pool.shape[1]
+    g = hq // hkv
     if rows is None:
-        q = q_BH1D
+        q = q_BHTD
     else:  # holes (pool rows not in this step) get a zero query; their output is dropped
-        q = q_BH1D.new_zeros(span, hq, 1, d)
-        q[rows] = q_BH1D
-    out = F.scaled_dot_product_attention(q.reshape(span, hkv, hq // hkv, d), k_pool[:span, :, :length],
-                                         v_pool[:span, :, :length], attn_mask=mask)
-    out = out.reshape(span, hq, 1, d)
+        q = q_BHTD.new_zeros(span, hq, t, d)
+        q[rows] = q_BHTD
+    out = F.scaled_dot_product_attention(q.reshape(span, hkv, g * t, d), k_pool[:span, :, :length],
+                                         v_pool[:span, :, :length], attn_mask=mask if t == 1 else mask.repeat(1, 1, g, 1))
+    out = out.reshape(span, hq, t, d)
     return out if rows is None else out[rows]
 
 

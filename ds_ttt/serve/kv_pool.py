@@ -144,13 +144,17 @@ class KVPool:
 
     # ---- what a batched step reads -------------------------------------------------------------------
     def visibility(self, rows: list[int], los: list[int], slots: list[int], span: int, length: int) -> torch.Tensor:
-        """Boolean [span, 1, 1, length]: row rows[b] sees its slots los[b]..slots[b]; a row of 0..span-1 not in
-        `rows` sees slot 0 only (a finite dummy). On the pool's device."""
-        lo = torch.zeros(span, dtype=torch.long)
-        hi = torch.zeros(span, dtype=torch.long)
+        """Boolean [span, 1, 1, length] for a decode step: row rows[b] sees its slots los[b]..slots[b]; a row of
+        0..span-1 not in `rows` sees slot 0 only (a finite dummy). On the pool's device."""
+        lo = torch.zeros(span, 1, dtype=torch.long)
+        hi = torch.zeros(span, 1, dtype=torch.long)
         idx = torch.tensor(rows, dtype=torch.long)
-        lo[idx] = torch.tensor(los, dtype=torch.long)
-        hi[idx] = torch.tensor(slots, dtype=torch.long)
+        lo[idx, 0] = torch.tensor(los, dtype=torch.long)
+        hi[idx, 0] = torch.tensor(slots, dtype=torch.long)
+        return self.slices_mask(lo, hi, length).to(self.k[0].device, non_blocking=True)
+
+    @staticmethod
+    def slices_mask(lo_RT: torch.Tensor, hi_RT: torch.Tensor, length: int) -> torch.Tensor:
+        """Boolean [R, 1, T, length]: query t of row r sees slots lo[r, t]..hi[r, t] (one contiguous slice)."""
         s = torch.arange(length)
-        mask = (s[None, :] >= lo[:, None]) & (s[None, :] <= hi[:, None])
-        return mask[:, None, None, :].to(self.k[0].device, non_blocking=True)
+        return ((s >= lo_RT[..., None]) & (s <= hi_RT[..., None]))[:, None]

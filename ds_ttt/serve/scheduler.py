@@ -53,6 +53,11 @@ class DirectEngine:
         _check(cancel)
         return fn()
 
+    def reset(self, session, messages: list[dict], *, tools: list | None = None, cache_salt: str | None = None,
+              cancel: threading.Event | None = None) -> dict:
+        """A new episode's round 0 (AgentSession.reset_messages), prefilled alone."""
+        return self.run(lambda: session.reset_messages(messages, tools=tools, cache_salt=cache_salt), cancel)
+
     def generate(self, decodes: list, cancel: threading.Event | None = None) -> None:
         with torch.inference_mode():
             for d in decodes:
@@ -64,6 +69,12 @@ class DirectEngine:
 
     def stop(self) -> None:
         pass
+
+
+class _Reset:
+    def __init__(self, session, messages: list[dict], tools, cache_salt, cancel):
+        self.session, self.messages, self.tools, self.cache_salt, self.cancel = session, messages, tools, cache_salt, cancel
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
 
 
 class _Group:
@@ -81,6 +92,7 @@ class BatchScheduler:
     def __init__(self, agent, *, max_batch: int = 16):
         from ds_ttt.serve.batch import WeightStacks, batched_decode_logits
         from ds_ttt.serve.kv_pool import KVPool
+        from ds_ttt.serve.prefill import batched_prefill
         from ds_ttt.serve.session import row_stats
 
         self.agent, self.max_batch = agent, max_batch
@@ -88,6 +100,9 @@ class BatchScheduler:
         self._row_stats = row_stats
         self._stacks = WeightStacks()
         self.pool = KVPool.for_model(agent.model)  # the active replies' caches, one row each (kv_pool.py)
+        self.prefill_pool = KVPool.for_model(agent.model)  # new sessions' caches during a batched prefill
+        self._prefill = batched_prefill
+        self._resets: collections.deque = collections.deque()  # _Reset: new episodes waiting for round 0
         self._cv = threading.Condition()
         self._chunks: collections.deque = collections.deque()  # (fn, future, cancel)
         self._new: collections.deque = collections.deque()  # (_Group, decode)
@@ -97,6 +112,8 @@ class BatchScheduler:
         self.rows = 0  # rows over all of them (rows / steps = mean batch): tokens decoded
         self.decode_seconds = 0.0  # wall time in the batched forwards and the rows' token choices
         self.chunk_seconds = 0.0  # wall time in chunks (prefill, observe, forced turns) and reply starts/ends
+        self.prefill_batches = 0  # batched prefills of two or more new sessions (batched_prefill)
+        self.prefill_rows = 0  # new sessions prefilled in them
         self._thread = threading.Thread(target=self._loop, name="ds_ttt-scheduler", daemon=True)
         self._thread.start()
 
@@ -108,6 +125,17 @@ class BatchScheduler:
             self._chunks.append((fn, fut, cancel))
             self._cv.notify()
         return fut.result()
+
+    def reset(self, session, messages: list[dict], *, tools: list | None = None, cache_salt: str | None = None,
+              cancel: threading.Event | None = None) -> dict:
+        """A new episode's round 0 (AgentSession.reset_messages); the rests of round 0 of every new session
+        waiting at once are prefilled in one forward (ds_ttt/serve/prefill.py)."""
+        _check(cancel)
+        item = _Reset(session, messages, tools, cache_salt, cancel)
+        with self._cv:
+            self._resets.append(item)
+            self._cv.notify()
+        return item.future.result()
 
     def generate(self, decodes: list, cancel: threading.Event | None = None) -> None:
         _check(cancel)
@@ -132,6 +160,7 @@ class BatchScheduler:
         observation chunks interleaved with it (a reply's first token comes from its start chunk)."""
         return {"steps": self.steps, "rows": self.rows, "mean_batch": self.rows / max(self.steps, 1),
                 "decode_seconds": self.decode_seconds, "chunk_seconds": self.chunk_seconds,
+                "prefill_batches": self.prefill_batches, "prefill_rows": self.prefill_rows,
                 "pool": self.pool.stats()}
 
     # ---- the scheduler thread ----------------------------------------------------------------------
@@ -151,24 +180,26 @@ class BatchScheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._chunks or self._new or self._active or self._closed):
+                while not (self._chunks or self._new or self._active or self._resets or self._closed):
                     self._cv.wait()
                 if self._closed:
                     return
                 chunk = self._chunks.popleft() if self._chunks else None
+                resets = [self._resets.popleft() for _ in range(min(self.max_batch, len(self._resets)))]
                 room = self.max_batch - len(self._active)
                 starting = [self._new.popleft() for _ in range(min(room, len(self._new)))]
             try:
-                self._iteration(chunk, starting)
+                self._iteration(chunk, starting, resets)
             except BaseException:  # noqa: BLE001 - a bug here must not leave requests waiting forever
                 traceback.print_exc(file=sys.stderr)
                 e = RuntimeError("scheduler failure (see the server log)")
                 for group in {id(a[0]): a[0] for a in self._active}.values():
                     self._fail(group, e)
 
-    def _iteration(self, chunk, starting) -> None:
+    def _iteration(self, chunk, starting, resets=()) -> None:
         t0 = time.perf_counter()
         try:
+            self._run_resets(resets)
             self._run_chunk_and_starts(chunk, starting)
         finally:
             t1 = time.perf_counter()
@@ -177,6 +208,36 @@ class BatchScheduler:
             self._decode_step()
         finally:
             self.decode_seconds += time.perf_counter() - t1
+
+    def _run_resets(self, resets: list) -> None:
+        """New episodes: each one's system block (prefix cache or alone), then every rest of round 0 in one
+        batched forward; a single waiting session is prefilled alone, exactly as reset_messages does."""
+        ready = []
+        for item in resets:
+            try:
+                _check(item.cancel)
+                ready.append((item, item.session.begin_reset(item.messages, tools=item.tools,
+                                                             cache_salt=item.cache_salt)))
+            except BaseException as e:  # noqa: BLE001 - delivered to the request
+                item.future.set_exception(e)
+        if not ready:
+            return
+        try:
+            if len(ready) == 1:
+                ready[0][0].session.prefill_rest(ready[0][1])
+            else:
+                self._prefill(self.agent, [r0 for _, r0 in ready], self.prefill_pool)
+                self.prefill_batches += 1
+                self.prefill_rows += len(ready)
+        except BaseException as e:  # noqa: BLE001 - every session of this prefill fails alike
+            for item, _ in ready:
+                item.future.set_exception(e)
+            return
+        for item, r0 in ready:
+            try:
+                item.future.set_result(item.session.end_reset(r0))
+            except BaseException as e:  # noqa: BLE001
+                item.future.set_exception(e)
 
     def _run_chunk_and_starts(self, chunk, starting) -> None:
         if chunk is not None:

@@ -20,7 +20,11 @@ generate the same tokens). Measured per server and level (medians over repeats):
   aggregate tokens/s   all completion tokens / wall time from the first request sent to the last reply
   decode tokens/s      batched server only: tokens fed through its batched forwards / the scheduler's time
                        in them (GET /health "scheduler" before and after the level): the batch's decode
-                       rate without the prefill and turn-end chunks interleaved with it
+                       rate without the prefill and turn-end chunks interleaved with it; each step attends
+                       for all its rows in one call per layer over the scheduler's KV pool (kv_pool.py)
+  mean batch, sessions prefilled in batches   batched server only (JSON): rows per batched forward, and
+                       how many of the level's new sessions had their round 0 prefilled together
+                       (ds_ttt/serve/prefill.py)
   per-token latency    per request: its wall time / its completion tokens; p50 and p95 over requests
 Then a paired phase (--pairs rounds): the batched server alone runs its levels back to back, and each
 round gives the ratio of every level to one session measured side by side (this VM's speed drifts by
@@ -111,11 +115,14 @@ def level(url: str, model: str, n: int, max_tokens: int, tools: list, system: st
     after = scheduler_stats(url)
     wall = max(g["end"] for g in got) - min(g["start"] for g in got)
     per_token = sorted((g["end"] - g["start"]) / max(g["tokens"], 1) for g in got)
-    decode = None  # the batched server's own counters: rows through batched forwards / time in them
+    decode = mean_batch = prefilled_together = None  # the batched server's own counters
     if before is not None and after is not None:
         decode = (after["rows"] - before["rows"]) / (after["decode_seconds"] - before["decode_seconds"])
+        mean_batch = (after["rows"] - before["rows"]) / max(after["steps"] - before["steps"], 1)
+        prefilled_together = after.get("prefill_rows", 0) - before.get("prefill_rows", 0)
     return {"tokens": sum(g["tokens"] for g in got), "wall_s": wall,
             "tokens_per_s": sum(g["tokens"] for g in got) / wall, "decode_tokens_per_s": decode,
+            "mean_batch": mean_batch, "sessions_prefilled_in_batches": prefilled_together,
             "p50_ms": 1000 * statistics.median(per_token),
             "p95_ms": 1000 * per_token[min(len(per_token) - 1, int(round(0.95 * (len(per_token) - 1))))],
             "replies": [g["text"] for g in got]}

@@ -1,6 +1,7 @@
 """The batched decode forward: the next-token logits of B sessions' replies in one pass over the model.
 
-    logits_BV = batched_decode_logits(agent, decodes)    # decodes: session.Decode, one token each to feed
+    logits_BV = batched_decode_logits(agent, decodes, stacks, pool)   # decodes: session.Decode, one token each
+    python -m pytest tests/unit/test_serve_batch.py tests/unit/test_serve_pool.py      # what checks it
 
 Each row b is one session's reply (ds_ttt/serve/session.py `Decode`): the token it chose last, its
 position, its cache slot, its own KV cache, its own fast weights W_b and key-shift history. One
@@ -13,8 +14,12 @@ forward serves them all, on the model's own modules (no copy of the model):
     is stacked per row, [B, F, D] (PrimeMLP's per-row fast weights, ds_ttt/model/fast_weights.py):
     for a bf16 model x W_0ᵀ is one batched product and the fp32 delta x (W_b − W_0)ᵀ is applied per
     row (the Punica / S-LoRA layout); for an fp32 model the product is per row (a batched matmul);
-  * attention is per row: row b writes its key/value at its slot in its own cache and attends to its
-    own visible slice (lengths differ; each slice is read in place, nothing is padded or copied);
+  * attention is ONE call per layer for all rows (`pooled_attention`): each row's cache is a row of the
+    decode pool (ds_ttt/serve/kv_pool.py: shared per-layer [R, H, S, D] tensors; a cache is moved in
+    at its first step and out when its reply is closed), every row's new key/value is written at its
+    slot with one indexed write, and SDPA reads the pool's rows 0..n-1 up to the longest slice as one
+    view, each row masked to its visible slice [policy.visible_from(slot), slot] (no per-step copy,
+    stack or gather of anyone's cache; a padded key is masked, a hole row gets a dummy query);
   * the key state (ttt.key_shift's history, ttt.round_address's running pool) is read per row from
     its cache and written back, as the unbatched `_forward` does, so it carries across decode steps.
 Nothing here touches the inner update: observations (with their gradient step) stay per session,

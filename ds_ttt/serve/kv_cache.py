@@ -25,6 +25,13 @@ Either way the visible keys are one contiguous slice, and FlashBoB's causal (and
 "cached slots ++ new slots" with compressed offsets (q_offset = slot - lo, k_offset = 0) equals the
 training mask (ds_ttt/model/context.py explains why compressed indexing is exact).
 
+While a reply is decoded by the batched scheduler, the cache is a handle onto one row of a KVPool
+(kv_pool.py: `KVPool.admit` moves its written slots, 0..used-1, into the row; `leave_pool` moves them
+back into private buffers and frees the row): write/view/ensure/k/v then read and write the row in
+place, `capacity` stays this cache's own, and a pooled `ensure` grows the pool (doubling) instead of
+private buffers. Everything else (forks, the prefix cache, memory accounting) sees private buffers.
+Tests: tests/unit/test_serve.py (growth, clone), tests/unit/test_serve_pool.py (the pool).
+
 Shape letters: L layers, H kv heads, S slots (capacity), T new tokens, D head dim.
 """
 

@@ -1,26 +1,33 @@
 """Where the server's model work runs: one scheduler thread that decodes every active session in one batch.
 
     engine = BatchScheduler(agent, max_batch=16)       # or DirectEngine(): each request on its own thread
-    engine.run(lambda: session.observe_messages(msgs), cancel)     # a prefill / observe / forced chunk
+    engine.reset(session, messages, tools=tools, cancel=cancel)    # round 0 (batched with other new sessions)
+    engine.run(lambda: session.observe_messages(msgs), cancel)     # an observe / forced chunk
     engine.generate([session.begin_decode(...)], cancel)           # decode until every reply ends
 
 ConversationStore (conversations.py) hands the engine two kinds of work for a request:
   * chunks: a session's prefill (reset), an observation with its inner step, a forced assistant
     turn. Each is one call on the session, exact and per session, as AgentSession runs it;
   * decodes (`session.Decode`): a reply generated one token at a time.
+  * resets (`engine.reset`): a new session's round 0.
 The BatchScheduler's loop, on one thread that owns the model:
-    1. runs one waiting chunk (so a long prefill delays the decoders by one chunk, not by a whole
+    1. prefills every new session waiting (up to max_batch): each one's system block per session
+       (prefix cache, or alone), then the rests of their round 0 in ONE padded forward
+       (`batched_prefill`, ds_ttt/serve/prefill.py; a single one alone, as reset_messages does),
+    2. runs one waiting chunk (so a long chunk delays the decoders by one chunk, not by a whole
        request: chunks and decode steps interleave),
-    2. starts the replies that arrived (their generation prompt, one chunk each),
-    3. takes ONE forward for the next token of every active reply: `batched_decode_logits`
+    3. starts the replies that arrived (their generation prompt, one chunk each),
+    4. takes ONE forward for the next token of every active reply: `batched_decode_logits`
        (ds_ttt/serve/batch.py): the backbone batched over the B sessions, each session's own fast
-       weights applied to its own row, attention per row against its own KV cache;
+       weights applied to its own row, attention in one call per layer over the scheduler's KV pool
+       (ds_ttt/serve/kv_pool.py: each active reply's cache is a row of it until its turn closes);
 then each reply chooses its token from its row (its own RNG, options, stop strings: `Decode.step`;
 the rows' logsumexp and argmax come from one batched reduction, `session.row_stats`).
 A reply whose `cancel` event is set (the client went away) is dropped between steps and its request
 gets `Cancelled`; nothing it did is committed (the request works on a fork).
 DirectEngine is today's path (every request's thread runs the model itself, one token per forward);
 `--no-batching` selects it, and the tests compare the two token for token.
+Tests: python -m pytest tests/unit/test_serve_batch.py tests/unit/test_serve_pool.py tests/unit/test_serve_prefill.py
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ add exp(-inf) = 0. Rows not in the step (a hole left by a finished reply) get a 
 slot 0 only, so they stay finite and are discarded. The pool is zero-filled (never uninitialized),
 so a masked slot never multiplies garbage (0 * NaN would poison a real row).
 
-Lifetime: a cache joins when its reply's first batched step comes (one copy of its written slots,
+Memory: while rows are in use the pool holds rows x its slot capacity (every row padded to the
+longest reply's need); when the last row is given back the pool drops its tensors (the next admit
+regrows), so an idle server holds no pool memory. Lifetime: a cache joins when its reply's first batched step comes (one copy of its written slots,
 O(S) per reply, not per step) and leaves when the reply is closed (one copy back into a private
 buffer of its own capacity), so idle sessions hold no pool memory and forks, the prefix cache and the
 server's memory accounting see ordinary private caches. Growth is geometric and amortized: a row
@@ -44,7 +46,7 @@ class KVPool:
         self.max_capacity = max_capacity
         self.owner: list = [None] * self.rows  # per row: a weak reference to the KVCache holding it (None: free)
         self._free = list(range(self.rows))  # a heap: the lowest free row first
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.admitted = 0  # caches that joined (counters for GET /health and the benchmark)
         self.grows = 0  # reallocations (rows or slots)
 
@@ -97,26 +99,36 @@ class KVPool:
             raise ValueError(f"KVPool.admit: the cache's layers/heads/head dim/dtype "
                              f"({len(cache.k)}, {tuple(cache.k[0].shape)}, {cache.k[0].dtype}) do not match the pool's "
                              f"({len(self.k)}, {tuple(self.k[0].shape)}, {self.k[0].dtype}); build both for the same model")
-        self.reserve_slots(cache.capacity)
         with self._lock:
+            self.reserve_slots(cache.capacity)
             if not self._free:
                 self._grow(rows=2 * self.rows)
             row = heapq.heappop(self._free)
             self.owner[row] = weakref.ref(cache)  # weak: a dropped cache frees its row (KVCache.__del__)
-        used = cache.used
-        for layer in range(len(self.k)):
-            self.k[layer][row:row + 1, :, :used].copy_(cache.k[layer][:, :, :used])
-            self.v[layer][row:row + 1, :, :used].copy_(cache.v[layer][:, :, :used])
-        cache.bind(self, row)
-        self.admitted += 1
+            used = cache.used
+            for layer in range(len(self.k)):
+                self.k[layer][row:row + 1, :, :used].copy_(cache.k[layer][:, :, :used])
+                self.v[layer][row:row + 1, :, :used].copy_(cache.v[layer][:, :, :used])
+            cache.bind(self, row)
+            self.admitted += 1
         return row
 
     def free(self, row: int) -> None:
-        """Give a row back (its contents stay until reused: finite, so a hole never produces NaN)."""
+        """Give a row back (its contents stay until reused: finite, so a hole never produces NaN). The last
+        row given back releases the pool's memory (one row of one slot is kept; the next admit regrows)."""
         with self._lock:
-            if self.owner[row] is not None:
+            if row < len(self.owner) and self.owner[row] is not None:
                 self.owner[row] = None
                 heapq.heappush(self._free, row)
+                if not any(o is not None for o in self.owner):
+                    self._shrink()
+
+    def _shrink(self) -> None:
+        with torch.inference_mode(False):
+            for buf in (self.k, self.v):
+                for i, old in enumerate(buf):
+                    buf[i] = old.new_zeros(1, old.shape[1], 1, old.shape[3])
+        self.owner, self._free = [None], [0]
 
     def reserve_slots(self, num_slots: int) -> None:
         """Make every row hold at least `num_slots` slots (doubling; contents kept)."""
@@ -125,7 +137,8 @@ class KVPool:
         if num_slots > self.max_capacity:
             raise ValueError(f"KV pool: {num_slots} slots exceed the capacity {self.max_capacity}")
         with self._lock:
-            self._grow(capacity=min(max(num_slots, 2 * self.capacity), self.max_capacity))
+            if num_slots > self.capacity:
+                self._grow(capacity=min(max(num_slots, 2 * self.capacity), self.max_capacity))
 
     def _grow(self, *, rows: int | None = None, capacity: int | None = None) -> None:
         """Reallocate every layer (called with the lock held); handles read the new tensors by row."""

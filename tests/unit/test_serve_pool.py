@@ -128,6 +128,9 @@ def test_pool_grows_mid_batch_and_a_leaving_cache_frees_its_row():
     assert pool.rows_in_use == 1
     with pytest.raises(ValueError, match="another pool"):
         KVPool.for_model(model).admit(a)
+    a.leave_pool()
+    assert pool.rows_in_use == 0 and pool.rows == 1 and pool.capacity == 1  # the last row out: memory released
+    assert pool.admit(b) == 0 and torch.equal(b.k[1][:, :, :8], want[id(b)][0][1])  # and it regrows
 
 
 @pytest.mark.parametrize("policy", ["full", "window", "current_round"])

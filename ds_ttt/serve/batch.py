@@ -76,7 +76,8 @@ def pooled_attention(q_BHTD: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     q_BHTD: the step's queries (row b of the batch lives in pool row rows[b]; rows None: row b is pool
     row b, span == B). The G query heads of a kv head are laid out along the query axis ([span, Hkv,
     G*T, D], the head grouping SDPA's enable_gqa uses), so no backend repeats the keys per query head.
-    mask: [span, 1, T, length] (KVPool.visibility / slices_mask). Returns [B, H, T, D]."""
+    mask: [span, 1, T, length], boolean or additive (KVPool.visibility / slices_mask / additive).
+    Returns [B, H, T, D]."""
     b, hq, t, d = q_BHTD.shape
     hkv = k_pool.shape[1]
     g = hq // hkv
@@ -119,6 +120,7 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
         c.used = max(c.used, slot + 1)
     h = m.model.embed_tokens(ids)  # [B, 1, C]
     pos_emb = m.model.rotary_emb(h, positions)
+    mask = KVPool.additive(mask, pool.k[0].dtype)
     has_weights = all(len(d.w) for d in decodes)
     stacked = iter((stacks or WeightStacks()).of(decodes) if has_weights else ())
     shift_layers = [layer for layer in m.model.layers if uses_key_state(layer)]

@@ -167,6 +167,12 @@ class KVPool:
         return self.slices_mask(lo, hi, length).to(self.k[0].device, non_blocking=True)
 
     @staticmethod
+    def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A boolean visibility mask as SDPA's additive one (0 where visible, -inf elsewhere), made once per
+        step instead of once per layer inside the kernel."""
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+    @staticmethod
     def slices_mask(lo_RT: torch.Tensor, hi_RT: torch.Tensor, length: int) -> torch.Tensor:
         """Boolean [R, 1, T, length]: query t of row r sees slots lo[r, t]..hi[r, t] (one contiguous slice)."""
         s = torch.arange(length)

@@ -86,7 +86,7 @@ def _prefill(agent, r0s: list, pool: KVPool) -> None:
     for r, s0, t in zip(rows_list, starts, lengths):
         lo[r, :t] = torch.tensor([m.policy.visible_from(s0 + j) for j in range(t)])
         hi[r, :t] = torch.arange(s0, s0 + t)
-    mask = KVPool.slices_mask(lo, hi, length).to(dev)
+    mask = KVPool.additive(KVPool.slices_mask(lo, hi, length).to(dev), pool.k[0].dtype)
     rows = None if rows_list == list(range(span)) else torch.tensor(rows_list, device=dev)
     # the real tokens' (row, slot) pairs and where they sit in the padded batch
     tok_b = torch.cat([torch.full((t,), i) for i, t in enumerate(lengths)]).to(dev)

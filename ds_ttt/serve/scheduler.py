@@ -5,11 +5,12 @@
     engine.run(lambda: session.observe_messages(msgs), cancel)     # an observe / forced chunk
     engine.generate([session.begin_decode(...)], cancel)           # decode until every reply ends
 
-ConversationStore (conversations.py) hands the engine two kinds of work for a request:
-  * chunks: a session's prefill (reset), an observation with its inner step, a forced assistant
-    turn. Each is one call on the session, exact and per session, as AgentSession runs it;
+ConversationStore (conversations.py) hands the engine three kinds of work for a request:
+  * resets (`engine.reset`): a new session's round 0 (AgentSession.begin_reset / end_reset around the
+    prefill of its task);
+  * chunks: an observation with its inner step, a forced assistant turn. Each is one call on the
+    session, exact and per session, as AgentSession runs it;
   * decodes (`session.Decode`): a reply generated one token at a time.
-  * resets (`engine.reset`): a new session's round 0.
 The BatchScheduler's loop, on one thread that owns the model:
     1. prefills every new session waiting (up to max_batch): each one's system block per session
        (prefix cache, or alone), then the rests of their round 0 in ONE padded forward

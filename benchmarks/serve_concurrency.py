@@ -214,7 +214,8 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
             table[name][n] = {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_s", "p50_ms", "p95_ms")}
             table[name][n]["tokens"] = rs[0]["tokens"]
             if rs[0]["decode_tokens_per_s"] is not None:
-                table[name][n]["decode_tokens_per_s"] = statistics.median(r["decode_tokens_per_s"] for r in rs)
+                for key in ("decode_tokens_per_s", "mean_batch", "sessions_prefilled_in_batches"):
+                    table[name][n][key] = statistics.median(r[key] for r in rs)
     # the same greedy replies from every server (a check that they did the same work)
     first = next(iter(runs))
     same = all(runs[a][n][0]["replies"] == runs[first][n][0]["replies"] for a in runs for n in levels)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds_ttt.model.event_loop import uses_key_state
+from ds_ttt.model.forward import uses_key_state
 from ds_ttt.model.fast_weights import KeyHistory
 from ds_ttt.serve.kv_pool import KVPool
 
@@ -95,8 +95,9 @@ def pooled_attention(q_BHTD: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = None, pool: KVPool | None = None
                           ) -> torch.Tensor:
     """The logits [B, V] of each row's next token (call under torch.inference_mode, caches grown).
-    Every row's cache is moved into `pool` if it is not there yet (its first step; kv_pool.py), by
-    default the pool the first row's cache is already in, else the agent's own."""
+    With two rows or more every row's cache is moved into `pool` if it is not there yet (its first
+    batched step; kv_pool.py), by default the pool the first row's cache is already in, else the
+    agent's own. A single row attends to its own cache slice (pooled or not), unmasked."""
     m, dev = agent.model, agent.device
     b = len(decodes)
     ids = torch.tensor([[d.action[-1]] for d in decodes], device=dev)
@@ -104,23 +105,25 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
     slots = [d.slot - 1 for d in decodes]
     caches = [d.s.cache for d in decodes]
     los = [m.policy.visible_from(slot) for slot in slots]
-    pool = pool or caches[0].pool or decode_pool(agent)
-    for cache in caches:
-        pool.admit(cache)
-    rows_list = [c.row for c in caches]
-    if len(set(rows_list)) != b:
+    if len({id(c) for c in caches}) != b:
         raise ValueError("batched_decode_logits: two rows share one KV cache; fork the session for each reply")
-    span = pool.span
-    length = max(slots) + 1
-    mask = pool.visibility(rows_list, los, slots, span, length)
-    rows = None if rows_list == list(range(span)) else torch.tensor(rows_list, device=dev)
-    write_rows = torch.tensor(rows_list, device=dev)
-    write_slots = torch.tensor(slots, device=dev)
-    for c, slot in zip(caches, slots):
-        c.used = max(c.used, slot + 1)
+    # one row: its own cache slice, unmasked (what the unbatched step does; nothing to batch, so no pool)
+    alone = b == 1
+    if not alone:
+        pool = pool or caches[0].pool or decode_pool(agent)
+        for cache in caches:
+            pool.admit(cache)
+        rows_list = [c.row for c in caches]
+        span = pool.span
+        length = max(slots) + 1
+        mask = KVPool.additive(pool.visibility(rows_list, los, slots, span, length), pool.k[0].dtype)
+        rows = None if rows_list == list(range(span)) else torch.tensor(rows_list, device=dev)
+        write_rows = torch.tensor(rows_list, device=dev)
+        write_slots = torch.tensor(slots, device=dev)
+        for c, slot in zip(caches, slots):
+            c.used = max(c.used, slot + 1)
     h = m.model.embed_tokens(ids)  # [B, 1, C]
     pos_emb = m.model.rotary_emb(h, positions)
-    mask = KVPool.additive(mask, pool.k[0].dtype)
     has_weights = all(len(d.w) for d in decodes)
     stacked = iter((stacks or WeightStacks()).of(decodes) if has_weights else ())
     shift_layers = [layer for layer in m.model.layers if uses_key_state(layer)]
@@ -133,6 +136,10 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
     last_rows: list[list] = [[] for _ in range(b)]
     for i, layer in enumerate(m.model.layers):
         def attend(q, k, v, i=i):
+            if alone:
+                caches[0].write(i, slots[0], k, v)
+                k_all, v_all = caches[0].view(i, los[0], slots[0] + 1)
+                return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=True)
             k_pool, v_pool = pool.k[i], pool.v[i]
             k_pool[write_rows, :, write_slots] = k[:, :, 0]  # every row's new key at its slot: one op
             v_pool[write_rows, :, write_slots] = v[:, :, 0]

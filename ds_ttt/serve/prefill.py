@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_ttt.model.event_loop import uses_key_state
+from ds_ttt.model.forward import uses_key_state
 from ds_ttt.model.fast_weights import KeyHistory
 from ds_ttt.serve.batch import pooled_attention
 from ds_ttt.serve.kv_pool import KVPool

@@ -19,7 +19,8 @@ forward serves them all, on the model's own modules (no copy of the model):
     at its first step and out when its reply is closed), every row's new key/value is written at its
     slot with one indexed write, and SDPA reads the pool's rows 0..n-1 up to the longest slice as one
     view, each row masked to its visible slice [policy.visible_from(slot), slot] (no per-step copy,
-    stack or gather of anyone's cache; a padded key is masked, a hole row gets a dummy query);
+    stack or gather of anyone's cache; a padded key is masked, a hole row gets a dummy query); a step
+    of a single row attends to its own slice unmasked, as the unbatched step does;
   * the key state (ttt.key_shift's history, ttt.round_address's running pool) is read per row from
     its cache and written back, as the unbatched `_forward` does, so it carries across decode steps.
 Nothing here touches the inner update: observations (with their gradient step) stay per session,

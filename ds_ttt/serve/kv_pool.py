@@ -47,6 +47,7 @@ class KVPool:
         self.owner: list = [None] * self.rows  # per row: a weak reference to the KVCache holding it (None: free)
         self._free = list(range(self.rows))  # a heap: the lowest free row first
         self._lock = threading.RLock()
+        self._busy = False
         self.admitted = 0  # caches that joined (counters for GET /health and the benchmark)
         self.grows = 0  # reallocations (rows or slots)
 
@@ -100,17 +101,25 @@ class KVPool:
                              f"({len(cache.k)}, {tuple(cache.k[0].shape)}, {cache.k[0].dtype}) do not match the pool's "
                              f"({len(self.k)}, {tuple(self.k[0].shape)}, {self.k[0].dtype}); build both for the same model")
         with self._lock:
-            self.reserve_slots(cache.capacity)
-            if not self._free:
-                self._grow(rows=2 * self.rows)
-            row = heapq.heappop(self._free)
-            self.owner[row] = weakref.ref(cache)  # weak: a dropped cache frees its row (KVCache.__del__)
-            used = cache.used
-            for layer in range(len(self.k)):
-                self.k[layer][row:row + 1, :, :used].copy_(cache.k[layer][:, :, :used])
-                self.v[layer][row:row + 1, :, :used].copy_(cache.v[layer][:, :, :used])
-            cache.bind(self, row)
-            self.admitted += 1
+            self._busy = True  # a cache collected meanwhile on this thread (KVCache.__del__) must not shrink it
+            try:
+                return self._admit(cache)
+            finally:
+                self._busy = False
+
+    def _admit(self, cache) -> int:
+        """admit's work, with the lock held: room (slots, then a row), the copy, the binding."""
+        self.reserve_slots(cache.capacity)
+        if not self._free:
+            self._grow(rows=2 * self.rows)
+        row = heapq.heappop(self._free)
+        self.owner[row] = weakref.ref(cache)  # weak: a dropped cache frees its row (KVCache.__del__)
+        used = cache.used
+        for layer in range(len(self.k)):
+            self.k[layer][row:row + 1, :, :used].copy_(cache.k[layer][:, :, :used])
+            self.v[layer][row:row + 1, :, :used].copy_(cache.v[layer][:, :, :used])
+        cache.bind(self, row)
+        self.admitted += 1
         return row
 
     def free(self, row: int) -> None:
@@ -120,7 +129,7 @@ class KVPool:
             if row < len(self.owner) and self.owner[row] is not None:
                 self.owner[row] = None
                 heapq.heappush(self._free, row)
-                if not any(o is not None for o in self.owner):
+                if not self._busy and not any(o is not None for o in self.owner):
                     self._shrink()
 
     def _shrink(self) -> None:

@@ -1,6 +1,7 @@
 """The batched decode forward: the next-token logits of B sessions' replies in one pass over the model.
 
-    logits_BV = batched_decode_logits(agent, decodes)    # decodes: session.Decode, one token each to feed
+    logits_BV = batched_decode_logits(agent, decodes, stacks, pool)   # decodes: session.Decode, one token each
+    python -m pytest tests/unit/test_serve_batch.py tests/unit/test_serve_pool.py      # what checks it
 
 Each row b is one session's reply (ds_ttt/serve/session.py `Decode`): the token it chose last, its
 position, its cache slot, its own KV cache, its own fast weights W_b and key-shift history. One
@@ -13,8 +14,13 @@ forward serves them all, on the model's own modules (no copy of the model):
     is stacked per row, [B, F, D] (PrimeMLP's per-row fast weights, ds_ttt/model/fast_weights.py):
     for a bf16 model x W_0ᵀ is one batched product and the fp32 delta x (W_b − W_0)ᵀ is applied per
     row (the Punica / S-LoRA layout); for an fp32 model the product is per row (a batched matmul);
-  * attention is per row: row b writes its key/value at its slot in its own cache and attends to its
-    own visible slice (lengths differ; each slice is read in place, nothing is padded or copied);
+  * attention is ONE call per layer for all rows (`pooled_attention`): each row's cache is a row of the
+    decode pool (ds_ttt/serve/kv_pool.py: shared per-layer [R, H, S, D] tensors; a cache is moved in
+    at its first step and out when its reply is closed), every row's new key/value is written at its
+    slot with one indexed write, and SDPA reads the pool's rows 0..n-1 up to the longest slice as one
+    view, each row masked to its visible slice [policy.visible_from(slot), slot] (no per-step copy,
+    stack or gather of anyone's cache; a padded key is masked, a hole row gets a dummy query); a step
+    of a single row attends to its own slice unmasked, as the unbatched step does;
   * the key state (ttt.key_shift's history, ttt.round_address's running pool) is read per row from
     its cache and written back, as the unbatched `_forward` does, so it carries across decode steps.
 Nothing here touches the inner update: observations (with their gradient step) stay per session,
@@ -29,8 +35,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds_ttt.model.event_loop import uses_key_state
+from ds_ttt.model.forward import uses_key_state
 from ds_ttt.model.fast_weights import KeyHistory
+from ds_ttt.serve.kv_pool import KVPool
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -63,8 +70,35 @@ class WeightStacks:
         return self.weights
 
 
-def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = None) -> torch.Tensor:
-    """The logits [B, V] of each row's next token (call under torch.inference_mode, caches grown)."""
+def pooled_attention(q_BHTD: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor | None,
+                     span: int, length: int, mask: torch.Tensor) -> torch.Tensor:
+    """One attention call for every row of a step, over the pool's rows 0..span-1 read in place.
+
+    q_BHTD: the step's queries (row b of the batch lives in pool row rows[b]; rows None: row b is pool
+    row b, span == B). The G query heads of a kv head are laid out along the query axis ([span, Hkv,
+    G*T, D], the head grouping SDPA's enable_gqa uses), so no backend repeats the keys per query head.
+    mask: [span, 1, T, length], boolean or additive (KVPool.visibility / slices_mask / additive).
+    Returns [B, H, T, D]."""
+    b, hq, t, d = q_BHTD.shape
+    hkv = k_pool.shape[1]
+    g = hq // hkv
+    if rows is None:
+        q = q_BHTD
+    else:  # holes (pool rows not in this step) get a zero query; their output is dropped
+        q = q_BHTD.new_zeros(span, hq, t, d)
+        q[rows] = q_BHTD
+    out = F.scaled_dot_product_attention(q.reshape(span, hkv, g * t, d), k_pool[:span, :, :length],
+                                         v_pool[:span, :, :length], attn_mask=mask if t == 1 else mask.repeat(1, 1, g, 1))
+    out = out.reshape(span, hq, t, d)
+    return out if rows is None else out[rows]
+
+
+def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = None, pool: KVPool | None = None
+                          ) -> torch.Tensor:
+    """The logits [B, V] of each row's next token (call under torch.inference_mode, caches grown).
+    With two rows or more every row's cache is moved into `pool` if it is not there yet (its first
+    batched step; kv_pool.py), by default the pool the first row's cache is already in, else the
+    agent's own. A single row attends to its own cache slice (pooled or not), unmasked."""
     m, dev = agent.model, agent.device
     b = len(decodes)
     ids = torch.tensor([[d.action[-1]] for d in decodes], device=dev)
@@ -72,6 +106,23 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
     slots = [d.slot - 1 for d in decodes]
     caches = [d.s.cache for d in decodes]
     los = [m.policy.visible_from(slot) for slot in slots]
+    if len({id(c) for c in caches}) != b:
+        raise ValueError("batched_decode_logits: two rows share one KV cache; fork the session for each reply")
+    # one row: its own cache slice, unmasked (what the unbatched step does; nothing to batch, so no pool)
+    alone = b == 1
+    if not alone:
+        pool = pool or caches[0].pool or decode_pool(agent)
+        for cache in caches:
+            pool.admit(cache)
+        rows_list = [c.row for c in caches]
+        span = pool.span
+        length = max(slots) + 1
+        mask = KVPool.additive(pool.visibility(rows_list, los, slots, span, length), pool.k[0].dtype)
+        rows = None if rows_list == list(range(span)) else torch.tensor(rows_list, device=dev)
+        write_rows = torch.tensor(rows_list, device=dev)
+        write_slots = torch.tensor(slots, device=dev)
+        for c, slot in zip(caches, slots):
+            c.used = max(c.used, slot + 1)
     h = m.model.embed_tokens(ids)  # [B, 1, C]
     pos_emb = m.model.rotary_emb(h, positions)
     has_weights = all(len(d.w) for d in decodes)
@@ -86,12 +137,14 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
     last_rows: list[list] = [[] for _ in range(b)]
     for i, layer in enumerate(m.model.layers):
         def attend(q, k, v, i=i):
-            outs = []
-            for r in range(b):
-                caches[r].write(i, slots[r], k[r:r + 1], v[r:r + 1])
-                k_all, v_all = caches[r].view(i, los[r], slots[r] + 1)
-                outs.append(F.scaled_dot_product_attention(q[r:r + 1], k_all, v_all, enable_gqa=True))
-            return torch.cat(outs, 0)
+            if alone:
+                caches[0].write(i, slots[0], k, v)
+                k_all, v_all = caches[0].view(i, los[0], slots[0] + 1)
+                return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=True)
+            k_pool, v_pool = pool.k[i], pool.v[i]
+            k_pool[write_rows, :, write_slots] = k[:, :, 0]  # every row's new key at its slot: one op
+            v_pool[write_rows, :, write_slots] = v[:, :, 0]
+            return pooled_attention(q, k_pool, v_pool, rows, span, length, mask)
         w = (next(stacked), next(stacked), next(stacked)) if layer.is_adaptive and has_weights else None
         history = None
         if uses_key_state(layer):
@@ -108,3 +161,11 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
             cache.key_tail = (slots[r] + 1, last_rows[r])
     logits = m.lm_head(m.model.norm(h[:, -1]))
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def decode_pool(agent) -> KVPool:
+    """The agent's own decode pool (made on first use), for callers that bring none (the scheduler has its own)."""
+    pool = getattr(agent, "_decode_pool", None)
+    if pool is None:
+        pool = agent._decode_pool = KVPool.for_model(agent.model)
+    return pool

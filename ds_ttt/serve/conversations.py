@@ -435,7 +435,7 @@ class ConversationStore:
         try:
             if fresh:
                 prompt = next(i for i, m in enumerate(rest + [{"role": "assistant"}]) if m["role"] == "assistant")
-                reset = eng.run(lambda: work.reset_messages(rest[:prompt], tools=req.tools, cache_salt=owner), cancel)
+                reset = eng.reset(work, rest[:prompt], tools=req.tools, cache_salt=owner, cancel=cancel)
                 cached = reset["cached_tokens"]
                 rest = rest[prompt:]
             i = 0

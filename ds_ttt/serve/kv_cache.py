@@ -25,6 +25,13 @@ Either way the visible keys are one contiguous slice, and FlashBoB's causal (and
 "cached slots ++ new slots" with compressed offsets (q_offset = slot - lo, k_offset = 0) equals the
 training mask (ds_ttt/model/context.py explains why compressed indexing is exact).
 
+While a reply is decoded by the batched scheduler, the cache is a handle onto one row of a KVPool
+(kv_pool.py: `KVPool.admit` moves its written slots, 0..used-1, into the row; `leave_pool` moves them
+back into private buffers and frees the row): write/view/ensure/k/v then read and write the row in
+place, `capacity` stays this cache's own, and a pooled `ensure` grows the pool (doubling) instead of
+private buffers. Everything else (forks, the prefix cache, memory accounting) sees private buffers.
+Tests: tests/unit/test_serve.py (growth, clone), tests/unit/test_serve_pool.py (the pool).
+
 Shape letters: L layers, H kv heads, S slots (capacity), T new tokens, D head dim.
 """
 
@@ -34,13 +41,55 @@ import torch
 
 
 class KVCache:
+    """Private per-layer buffers, or (while its reply is decoded in a batch) a handle onto one row of a
+    KVPool (kv_pool.py): the same write/view/ensure either way."""
+
     def __init__(self, k_L1HSD: list[torch.Tensor], v_L1HSD: list[torch.Tensor], max_capacity: int):
-        self.k, self.v = k_L1HSD, v_L1HSD
+        self._k, self._v = k_L1HSD, v_L1HSD
         self.max_capacity = max_capacity
+        self.pool, self.row = None, -1  # the KVPool and row it is a handle onto (None: private buffers)
+        self._capacity = k_L1HSD[0].shape[2]
+        self.used = 0  # slots 0..used-1 may hold something (what moving between pool and buffers copies)
         # key-shift histories: (slot they end at, [1, S, C] per key-shift layer); see the module docstring
         self.key_tail: tuple[int, list[torch.Tensor]] | None = None
         self.key_round: tuple[int, list[torch.Tensor]] | None = None
         self.key_pending: tuple[int, list[torch.Tensor]] | None = None  # from a keep_graph run, not yet committed
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """Per layer [1, H, capacity, D]: the private buffers, or views of the pool row."""
+        if self.pool is None:
+            return self._k
+        return [t[self.row:self.row + 1, :, :self._capacity] for t in self.pool.k]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        if self.pool is None:
+            return self._v
+        return [t[self.row:self.row + 1, :, :self._capacity] for t in self.pool.v]
+
+    def bind(self, pool, row: int) -> None:
+        """Become a handle onto `row` of `pool` (KVPool.admit copied the contents); the buffers are dropped."""
+        self.pool, self.row = pool, row
+        self._k = self._v = None
+
+    def leave_pool(self) -> None:
+        """Back to private buffers of this cache's capacity (slots 0..used-1 copied), freeing the pool row."""
+        if self.pool is None:
+            return
+        pool, row, used = self.pool, self.row, self.used
+        with torch.inference_mode(False):  # buffers usable by a later observe's autograd
+            ks = [t.new_empty(1, t.shape[1], self._capacity, t.shape[3]) for t in pool.k]
+            vs = [t.new_empty(1, t.shape[1], self._capacity, t.shape[3]) for t in pool.v]
+        for dst, src in zip(ks + vs, pool.k + pool.v):
+            dst[:, :, :used].copy_(src[row:row + 1, :, :used])
+        self._k, self._v = ks, vs
+        self.pool, self.row = None, -1
+        pool.free(row)
+
+    def __del__(self):
+        if getattr(self, "pool", None) is not None:  # dropped while pooled (a failed reply): free the row
+            self.pool.free(self.row)
 
     def key_history_at(self, slot: int) -> list[torch.Tensor]:
         """The key-shift history ending right before `slot` (the open round's start or the last write)."""
@@ -68,10 +117,11 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        return self._capacity
 
     def ensure(self, num_slots: int) -> None:
-        """Make room for slots 0..num_slots-1 (doubling; existing contents are kept)."""
+        """Make room for slots 0..num_slots-1 (doubling; existing contents are kept). A pooled cache grows
+        the pool's slot capacity if it must (KVPool.reserve_slots, doubling too)."""
         if num_slots <= self.capacity:
             return
         if num_slots > self.max_capacity:
@@ -79,22 +129,37 @@ class KVCache:
         if torch.is_inference_mode_enabled():  # new buffers would be inference tensors, unusable by autograd
             raise RuntimeError("KVCache: grow the cache (ensure) before entering torch.inference_mode")
         new_cap = min(max(num_slots, 2 * self.capacity), self.max_capacity)
-        for buf in (self.k, self.v):
-            for i, old in enumerate(buf):
-                grown = old.new_empty(old.shape[0], old.shape[1], new_cap, old.shape[3])
-                grown[:, :, :old.shape[2]].copy_(old)
-                buf[i] = grown
+        if self.pool is not None:
+            self.pool.reserve_slots(new_cap)
+        else:
+            for buf in (self._k, self._v):
+                for i, old in enumerate(buf):
+                    grown = old.new_empty(old.shape[0], old.shape[1], new_cap, old.shape[3])
+                    grown[:, :, :old.shape[2]].copy_(old)
+                    buf[i] = grown
+        self._capacity = new_cap
 
     def write(self, layer: int, slot: int, k_1HTD: torch.Tensor, v_1HTD: torch.Tensor) -> None:
         t = k_1HTD.shape[2]
-        self.k[layer][:, :, slot:slot + t].copy_(k_1HTD)
-        self.v[layer][:, :, slot:slot + t].copy_(v_1HTD)
+        if slot + t > self._capacity:
+            raise ValueError(f"KVCache.write: slots {slot}..{slot + t - 1} exceed the capacity {self._capacity}; "
+                             f"call ensure({slot + t}) first")
+        if self.pool is None:
+            self._k[layer][:, :, slot:slot + t].copy_(k_1HTD)
+            self._v[layer][:, :, slot:slot + t].copy_(v_1HTD)
+        else:
+            self.pool.k[layer][self.row:self.row + 1, :, slot:slot + t].copy_(k_1HTD)
+            self.pool.v[layer][self.row:self.row + 1, :, slot:slot + t].copy_(v_1HTD)
+        self.used = max(self.used, slot + t)
 
     def view(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi]
+        if self.pool is None:
+            return self._k[layer][:, :, lo:hi], self._v[layer][:, :, lo:hi]
+        r = self.row
+        return self.pool.k[layer][r:r + 1, :, lo:hi], self.pool.v[layer][r:r + 1, :, lo:hi]
 
     def clone(self, num_slots: int) -> "KVCache":
-        """An independent copy holding slots 0..num_slots-1 (for forking a session), allocated at num_slots."""
+        """An independent (private) copy holding slots 0..num_slots-1 (for forking a session), allocated at num_slots."""
         cap = max(1, min(num_slots, self.max_capacity))  # its used length, not the capacity (grows on demand)
 
         def copy(t):
@@ -102,5 +167,6 @@ class KVCache:
             out[:, :, :num_slots].copy_(t[:, :, :num_slots])
             return out
         twin = KVCache([copy(t) for t in self.k], [copy(t) for t in self.v], self.max_capacity)
+        twin.used = num_slots
         twin.key_tail, twin.key_round = self.key_tail, self.key_round  # tensors never written in place
         return twin

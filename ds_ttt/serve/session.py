@@ -174,6 +174,27 @@ class _State:
     num_skipped: int = 0
 
 
+@dataclass
+class Round0:
+    """A session's round 0 between `begin_reset` and `end_reset`: rendered, its cache holding the system
+    block (slots 0..block-1); the rest, ids[block:], still to be prefilled at slots (= positions) block.."""
+
+    session: "AgentSession"
+    messages: list[dict]
+    tools: list | None
+    ids: list[int]
+    kinds: list[int]
+    rounds: list[int]
+    cache: KVCache
+    weights: tuple
+    block: int  # tokens of the system block (0: none)
+    cached: int  # of them, taken from the prefix cache
+
+    @property
+    def rest(self) -> list[int]:
+        return self.ids[self.block:]
+
+
 class AgentSession:
     def __init__(self, model: "str | pathlib.Path | AgentModel", *, device: str = "cpu", max_new_tokens: int = 1024,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, track_after: bool = False,
@@ -328,7 +349,24 @@ class AgentSession:
 
     def reset_messages(self, messages: list[dict], *, tools: list | None = None, cache_salt: str | None = None) -> dict:
         """Start an episode from its round-0 messages (system and user turns, no assistant yet).
-        cache_salt: the system-prompt cache's scope (prefix_cache.py; the server passes the API key's id)."""
+        cache_salt: the system-prompt cache's scope (prefix_cache.py; the server passes the API key's id).
+        The same as `end_reset(begin_reset(...))` with the rest of round 0 prefilled alone in between
+        (the batched scheduler prefills several sessions' rests in one forward: ds_ttt/serve/prefill.py)."""
+        r0 = self.begin_reset(messages, tools=tools, cache_salt=cache_salt)
+        self.prefill_rest(r0)
+        return self.end_reset(r0)
+
+    def prefill_rest(self, r0: "Round0") -> None:
+        """Prefill the rest of round 0 alone (slots block..; the batched scheduler batches it instead)."""
+        if r0.rest:
+            with torch.inference_mode():  # the cache already has room: only in-place writes
+                self._forward(r0.rest, r0.block, r0.block, r0.cache, r0.weights, want=[])
+
+    def begin_reset(self, messages: list[dict], *, tools: list | None = None, cache_salt: str | None = None
+                    ) -> "Round0":
+        """Round 0 rendered, its cache allocated and its system block in the cache (from the prefix cache,
+        or prefilled here, alone); the rest of round 0 (`Round0.rest`) is left for the caller to prefill
+        at slots block.. before `end_reset`. The session is unchanged until `end_reset`."""
         if not messages or any(m.get("role") not in ("system", "user") for m in messages):
             raise SessionError("an episode starts with system/user messages only (the task), before any assistant turn")
         r = render_trajectory({"id": "session", "messages": messages, "tools": tools or None}, self.tokenizer)
@@ -341,7 +379,7 @@ class AgentSession:
         # half a bf16 ulp); observe() takes its own leaves for the inner gradient
         weights = self.agent.initial_weights()
         # round 0 in two chunks, the system block and the rest, whether the block is cached or not, so
-        # a cache hit is bit-identical to a miss (prefix_cache.py)
+        # a cache hit is bit-identical to a miss (prefix_cache.py); the block is always computed alone
         block = self._system_block_length(messages, tools, r.input_ids)
         prefix = self.prefix_cache
         with torch.inference_mode():  # the cache already has room: only in-place writes below
@@ -350,13 +388,17 @@ class AgentSession:
                 self._forward(r.input_ids[:block], 0, 0, cache, weights, want=[])
                 if prefix is not None:
                     prefix.store(r.input_ids[:block], cache, salt=cache_salt)
-            if block < n:
-                self._forward(r.input_ids[block:], block, block, cache, weights, want=[])
-        cache.start_round()
-        self._s = _State(ids=list(r.input_ids), kinds=list(r.kinds), rounds=list(r.rounds), cache=cache,
-                         num_slots=n, prompt_slots=n, weights=weights, round=0, phase="act", round_start=0,
-                         round_slot=0, messages=copy.deepcopy(messages), history=[], tools=copy.deepcopy(tools))
-        return {"round": 0, "num_tokens": n, "cached_tokens": cached}
+        return Round0(self, copy.deepcopy(messages), copy.deepcopy(tools), r.input_ids, r.kinds, r.rounds, cache,
+                      weights, block, cached)
+
+    def end_reset(self, r0: "Round0") -> dict:
+        """The episode starts from a Round0 whose rest has been prefilled (begin_reset)."""
+        n = len(r0.ids)
+        r0.cache.start_round()
+        self._s = _State(ids=list(r0.ids), kinds=list(r0.kinds), rounds=list(r0.rounds), cache=r0.cache,
+                         num_slots=n, prompt_slots=n, weights=r0.weights, round=0, phase="act", round_start=0,
+                         round_slot=0, messages=r0.messages, history=[], tools=r0.tools)
+        return {"round": 0, "num_tokens": n, "cached_tokens": r0.cached}
 
     def _system_block_length(self, messages: list[dict], tools: list | None, ids: list[int]) -> int:
         """Tokens of round 0's system block (system message and tool schemas, rendered on their own),
@@ -708,4 +750,5 @@ class Decode:
         if self.stopped is None:
             self.text = ses.tokenizer.decode(action, skip_special_tokens=False)
         ses._forward(tail + ag.action_end_ids, pos, slot, self.s.cache, self.w, [])
+        self.s.cache.leave_pool()  # a batched reply's row back to the pool (ds_ttt/serve/kv_pool.py)
         self.closed = True

@@ -22,7 +22,10 @@ forward serves them all, on the model's own modules (no copy of the model):
     stack or gather of anyone's cache; a padded key is masked, a hole row gets a dummy query); a step
     of a single row attends to its own slice unmasked, as the unbatched step does;
   * the key state (ttt.key_shift's history, ttt.round_address's running pool) is read per row from
-    its cache and written back, as the unbatched `_forward` does, so it carries across decode steps.
+    its cache and written back, as the unbatched `_forward` does, so it carries across decode steps;
+  * the layers run through the model's one layer loop (ds_ttt/model/forward.py `forward_chunk`); this
+    module only supplies the cache: `PooledChunk` (the pool's rows, one write and one attention call
+    per layer; batched prefill, prefill.py, uses it too) or, for one row, `SessionChunk`.
 Nothing here touches the inner update: observations (with their gradient step) stay per session,
 run by the scheduler between decode steps. A stack is kept while the rows keep the same matrix
 (W does not change during a reply), so a steady batch stacks each matrix once.
@@ -35,8 +38,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds_ttt.model.forward import uses_key_state
-from ds_ttt.model.fast_weights import KeyHistory
+from ds_ttt.model.forward import forward_chunk, uses_key_state
+from ds_ttt.serve.session_chunk import SessionChunk
 from ds_ttt.serve.kv_pool import KVPool
 
 
@@ -93,6 +96,43 @@ def pooled_attention(q_BHTD: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     return out if rows is None else out[rows]
 
 
+class PooledChunk:
+    """A chunk of several rows through a KV pool, as a cache of ds_ttt.model.forward: per layer, one
+    indexed write of the real tokens' keys/values (token tok_t of batch row tok_b goes to pool row
+    tok_row, slot tok_slot) and one `pooled_attention` call for every row."""
+
+    def __init__(self, pool: KVPool, tok_b, tok_t, tok_row, tok_slot, rows, span: int, length: int, mask):
+        self.pool, self.tok_b, self.tok_t, self.tok_row, self.tok_slot = pool, tok_b, tok_t, tok_row, tok_slot
+        self.rows, self.span, self.length, self.mask = rows, span, length, mask
+
+    def attend(self, layer_index: int):
+        def attend(q, k, v):
+            k_pool, v_pool = self.pool.k[layer_index], self.pool.v[layer_index]
+            k_pool[self.tok_row, :, self.tok_slot] = k[self.tok_b, :, self.tok_t]  # [N, H, D]: one op per layer
+            v_pool[self.tok_row, :, self.tok_slot] = v[self.tok_b, :, self.tok_t]
+            return pooled_attention(q, k_pool, v_pool, self.rows, self.span, self.length, self.mask)
+        return attend
+
+
+def has_key_state(layers) -> bool:
+    return any(uses_key_state(layer) for layer in layers)
+
+
+def stacked_key_state(layers, prev_rows: list, like: torch.Tensor) -> list | None:
+    """The key state entering a batch, per key-state layer [B, S, C], from each row's own (a list per
+    layer, or None: a new segment, zeros); None when no layer has a key state."""
+    key_layers = [layer for layer in layers if uses_key_state(layer)]
+    if not key_layers:
+        return None
+    return [torch.cat([p[j] if p is not None else layer.prime_mlp.empty_key_state(1, like) for p in prev_rows], 0)
+            for j, layer in enumerate(key_layers)]
+
+
+def row_key_states(key_last: list, num_rows: int) -> list[list]:
+    """The key state after a batch, split back per row: [[state [1, S, C] per key-state layer] per row]."""
+    return [[state[r:r + 1] for state in key_last] for r in range(num_rows)]
+
+
 def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = None, pool: KVPool | None = None
                           ) -> torch.Tensor:
     """The logits [B, V] of each row's next token (call under torch.inference_mode, caches grown).
@@ -126,39 +166,21 @@ def batched_decode_logits(agent, decodes: list, stacks: WeightStacks | None = No
     h = m.model.embed_tokens(ids)  # [B, 1, C]
     pos_emb = m.model.rotary_emb(h, positions)
     has_weights = all(len(d.w) for d in decodes)
-    stacked = iter((stacks or WeightStacks()).of(decodes) if has_weights else ())
-    shift_layers = [layer for layer in m.model.layers if uses_key_state(layer)]
-    prev_rows = []  # per row: its key-shift history per shift layer (None: a new segment, zeros)
-    if shift_layers:
-        for d, cache, slot in zip(decodes, caches, slots):
-            new_round = m.policy.segment_starts_at(slot, d.s.prompt_slots)
-            prev_rows.append(None if new_round else cache.key_history_at(slot))
-    k_shift = 0
-    last_rows: list[list] = [[] for _ in range(b)]
-    for i, layer in enumerate(m.model.layers):
-        def attend(q, k, v, i=i):
-            if alone:
-                caches[0].write(i, slots[0], k, v)
-                k_all, v_all = caches[0].view(i, los[0], slots[0] + 1)
-                return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=True)
-            k_pool, v_pool = pool.k[i], pool.v[i]
-            k_pool[write_rows, :, write_slots] = k[:, :, 0]  # every row's new key at its slot: one op
-            v_pool[write_rows, :, write_slots] = v[:, :, 0]
-            return pooled_attention(q, k_pool, v_pool, rows, span, length, mask)
-        w = (next(stacked), next(stacked), next(stacked)) if layer.is_adaptive and has_weights else None
-        history = None
-        if uses_key_state(layer):
-            prev = torch.cat([p[k_shift] if p is not None else layer.prime_mlp.empty_key_state(1, h)
-                              for p in prev_rows], 0)
-            history = KeyHistory(prev_BSC=prev)
-        h, _ = layer(h, pos_emb, attend, w, history)
-        if history is not None:
-            for r in range(b):
-                last_rows[r].append(history.last_BSC[r:r + 1])
-            k_shift += 1
-    if shift_layers:
-        for r, cache in enumerate(caches):
-            cache.key_tail = (slots[r] + 1, last_rows[r])
+    weights = (stacks or WeightStacks()).of(decodes) if has_weights else None
+    prev_rows = [None if m.policy.segment_starts_at(slot, d.s.prompt_slots) else cache.key_history_at(slot)
+                 for d, cache, slot in zip(decodes, caches, slots)] if has_key_state(m.model.layers) else []
+    if alone:  # one row: its own cache slice, as the unbatched step reads it
+        chunk = SessionChunk(caches[0], slots[0], 1, policy=m.policy, backend=m.ttt.attention_backend,
+                             keep_graph=False, device=dev)
+    else:
+        every = torch.arange(b, device=dev)
+        chunk = PooledChunk(pool, every, torch.zeros_like(every), write_rows, write_slots, rows, span, length, mask)
+    key_prev = stacked_key_state(m.model.layers, prev_rows, h)
+    out = forward_chunk(m.model.layers, h, pos_emb, chunk, fast_weights=weights, key_prev=key_prev)
+    h = out.hidden_BTC
+    if key_prev is not None:
+        for cache, slot, state in zip(caches, slots, row_key_states(out.key_last, b)):
+            cache.key_tail = (slot + 1, state)
     logits = m.lm_head(m.model.norm(h[:, -1]))
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from ds_ttt.model.forward import uses_key_state
-from ds_ttt.model.fast_weights import KeyHistory
-from ds_ttt.serve.batch import pooled_attention
+from ds_ttt.model.forward import forward_chunk
+from ds_ttt.serve.batch import PooledChunk, has_key_state, row_key_states, stacked_key_state
 from ds_ttt.serve.kv_pool import KVPool
 
 
@@ -43,7 +42,7 @@ def batched_prefill(agent, r0s: list, pool: KVPool) -> None:
     if not todo:
         return
     m = agent.model
-    if any(uses_key_state(layer) for layer in m.model.layers):
+    if has_key_state(m.model.layers):
         groups: dict[int, list] = {}
         for r0 in todo:
             groups.setdefault(len(r0.rest), []).append(r0)
@@ -96,28 +95,12 @@ def _prefill(agent, r0s: list, pool: KVPool) -> None:
     ids, positions = ids.to(dev), positions.to(dev)
     h = m.model.embed_tokens(ids)  # [B, T, C]
     pos_emb = m.model.rotary_emb(h, positions)
-    it = iter(weights or ())
-    shift_layers = [layer for layer in m.model.layers if uses_key_state(layer)]
+    key_state = has_key_state(m.model.layers)
     prev_rows = [None if m.policy.segment_starts_at(r0.block, None) else r0.cache.key_history_at(r0.block)
-                 for r0 in r0s] if shift_layers else []
-    k_shift = 0
-    last_rows: list[list] = [[] for _ in range(b)]
-    for i, layer in enumerate(m.model.layers):
-        def attend(q, k, v, i=i):
-            k_pool, v_pool = pool.k[i], pool.v[i]
-            k_pool[tok_row, :, tok_slot] = k[tok_b, :, tok_t]  # [N, H, D]: the real tokens only
-            v_pool[tok_row, :, tok_slot] = v[tok_b, :, tok_t]
-            return pooled_attention(q, k_pool, v_pool, rows, span, length, mask)
-        w = (next(it), next(it), next(it)) if layer.is_adaptive and weights else None
-        history = None
-        if uses_key_state(layer):  # rows of one length only (batched_prefill): no padding
-            prev = torch.cat([p[k_shift] if p is not None else layer.prime_mlp.empty_key_state(1, h)
-                              for p in prev_rows], 0)
-            history = KeyHistory(prev_BSC=prev)
-        h, _ = layer(h, pos_emb, attend, w, history)
-        if history is not None:
-            for r in range(b):
-                last_rows[r].append(history.last_BSC[r:r + 1])
-            k_shift += 1
-    for r, (r0, s0, t) in enumerate(zip(r0s, starts, lengths)):
-        r0.cache.key_tail = (s0 + t, last_rows[r]) if shift_layers else (s0 + t, [])
+                 for r0 in r0s] if key_state else []
+    key_prev = stacked_key_state(m.model.layers, prev_rows, h)  # rows of one length only (batched_prefill): no padding
+    chunk = PooledChunk(pool, tok_b, tok_t, tok_row, tok_slot, rows, span, length, mask)
+    out = forward_chunk(m.model.layers, h, pos_emb, chunk, fast_weights=weights, key_prev=key_prev)
+    states = row_key_states(out.key_last, b) if key_state else [[] for _ in range(b)]
+    for r0, s0, t, state in zip(r0s, starts, lengths, states):
+        r0.cache.key_tail = (s0 + t, state)

@@ -283,7 +283,7 @@ class AgentSession:
 
     # ---- model plumbing ------------------------------------------------------------------------
     def _forward(self, chunk_ids: list[int], start: int, slot: int, cache: KVCache, weights, want: list[int], *,
-                 keep_graph: bool = False, write_rates: list | None = None):
+                 keep_graph: bool = False, write_rates: list | None = None, round0: bool = False):
         """Run new tokens (positions start.., cache slots slot..) through every layer.
 
         Default: the new keys/values are written into `cache` at their slots and attention reads the
@@ -293,7 +293,9 @@ class AgentSession:
         Returns (float logits [len(want), V] at chunk indices `want`, [(k, v) per layer] or None).
         The key shift's history (kv_cache.py) is read from the cache; a default run stores the chunk's
         as `cache.key_tail`, a keep_graph run returns it through `cache.key_pending` for the caller.
-        With `write_rates` (a list) and a model with a write rate, the rate at `want` is appended to it."""
+        With `write_rates` (a list) and a model with a write rate, the rate at `want` is appended to it.
+        round0: a chunk of a new episode's round 0 (reset), which is one segment whatever the session's
+        previous episode was."""
         if start + len(chunk_ids) > self.max_context:
             raise ContextFullError(start + len(chunk_ids), self.max_context)
         m, dev = self.model, self.agent.device
@@ -304,7 +306,8 @@ class AgentSession:
         pos_emb = m.model.rotary_emb(h, torch.arange(start, start + n, device=dev)[None])
         chunk = SessionChunk(cache, slot, n, policy=m.policy, backend=m.ttt.attention_backend, keep_graph=keep_graph,
                              device=dev)
-        new_round = m.policy.segment_starts_at(slot, self._s.prompt_slots if self._s is not None else None)
+        prompt_slots = self._s.prompt_slots if self._s is not None and not round0 else None
+        new_round = m.policy.segment_starts_at(slot, prompt_slots)
         has_key_state = any(uses_key_state(layer) for layer in m.model.layers)
         key_prev = None if new_round or not has_key_state else cache.key_history_at(slot)
         out = forward_chunk(m.model.layers, h, pos_emb, chunk, fast_weights=weights, key_prev=key_prev)
@@ -360,7 +363,7 @@ class AgentSession:
         """Prefill the rest of round 0 alone (slots block..; the batched scheduler batches it instead)."""
         if r0.rest:
             with torch.inference_mode():  # the cache already has room: only in-place writes
-                self._forward(r0.rest, r0.block, r0.block, r0.cache, r0.weights, want=[])
+                self._forward(r0.rest, r0.block, r0.block, r0.cache, r0.weights, want=[], round0=True)
 
     def begin_reset(self, messages: list[dict], *, tools: list | None = None, cache_salt: str | None = None
                     ) -> "Round0":
@@ -385,7 +388,7 @@ class AgentSession:
         with torch.inference_mode():  # the cache already has room: only in-place writes below
             cached = prefix.restore(r.input_ids[:block], cache, salt=cache_salt) if block and prefix else 0
             if block and not cached:
-                self._forward(r.input_ids[:block], 0, 0, cache, weights, want=[])
+                self._forward(r.input_ids[:block], 0, 0, cache, weights, want=[], round0=True)
                 if prefix is not None:
                     prefix.store(r.input_ids[:block], cache, salt=cache_salt)
         return Round0(self, copy.deepcopy(messages), copy.deepcopy(tools), r.input_ids, r.kinds, r.rounds, cache,

@@ -122,3 +122,41 @@ def test_scheduler_prefills_waiting_sessions_together(tok):
         assert results[i] == t.reset_messages(messages(i, True))
         assert reply == t.act()
         assert s.history[-1].action_ids == t.history[-1].action_ids
+
+
+def test_a_second_reset_does_not_read_the_previous_episode(tok):
+    """Round 0 of a new episode is one segment, whatever the session's previous episode was: a reset whose
+    system block ends exactly where the previous episode's round 0 ended (its prompt_slots) gives the
+    state of a fresh session (failed on the code before: the rest of round 0 took that slot for a new
+    round's start and restarted the key state there)."""
+    model = make_model(context_policy="current_round", key_shift=2, adaptive_layers=2)  # the first one's key
+    with torch.no_grad():  # state reaches the second one's keys/values in the cache
+        for layer in model.adaptive_layers:
+            layer.prime_mlp.key_shift.normal_(0, 0.3)
+    agent = AgentModel(model, tok)
+    first = AgentSession(agent)
+    first.reset_messages(messages(0, True))
+    target = first._state().prompt_slots
+    probe = AgentSession(agent)
+    system, words = SYSTEM, 0
+    while True:  # lengthen the system prompt until its block is exactly the first episode's round 0
+        block = probe._system_block_length([{"role": "system", "content": system}, {"role": "user", "content": "x"}],
+                                           None, probe.begin_reset([{"role": "system", "content": system},
+                                                                    {"role": "user", "content": "x"}]).ids)
+        if block >= target:
+            break
+        words += 1
+        system = SYSTEM + " ok" * words
+    assert block == target, f"no system prompt of {target} block tokens found (got {block})"
+    second = [{"role": "system", "content": system}, {"role": "user", "content": TASKS[1]}]
+    first.reset_messages(second)
+    fresh = AgentSession(agent)
+    fresh.reset_messages(second)
+    sa, sb = first._state(), fresh._state()
+    assert sa.ids == sb.ids
+    n = sa.num_slots
+    for x, y in zip(sa.cache.k + sa.cache.v + sa.cache.key_round[1], sb.cache.k + sb.cache.v + sb.cache.key_round[1]):
+        assert torch.equal(x[..., :n, :] if x.dim() == 4 else x, y[..., :n, :] if y.dim() == 4 else y)
+    da, db = first.begin_decode(max_new_tokens=4), fresh.begin_decode(max_new_tokens=4)
+    with torch.inference_mode():
+        assert torch.equal(da.first_logits(), db.first_logits())

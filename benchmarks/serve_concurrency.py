@@ -276,8 +276,10 @@ def markdown(res: dict) -> str:
              f"Model: {res['model']['preset']}{' widened (--wide)' if res.get('wide') else ''} "
              f"({res['model']['num_layers']} layers, hidden {res['model']['hidden']}), "
              f"vocab {res['model']['vocab_size']}; greedy, {res['max_tokens']} new tokens per request, "
-             f"{res['repeats']} repeats (medians); one thread per server process; today = {res['base_commit'][:7]}. "
-             f"Load average at start {res['load_start'][0]:.2f}, at end {res['load_end'][0]:.2f} "
+             f"{res['repeats']} repeats (medians); one thread per server process; "
+             + (f"today = {res['base_commit'][:7]}. " if "today" in res["table"] else
+                "today's server not run (--without-today: it cannot load this export). ")
+             + f"Load average at start {res['load_start'][0]:.2f}, at end {res['load_end'][0]:.2f} "
              f"({res['cpu_count']} CPUs). Same replies on every server: {res['same_replies']}.", "",
              "Aggregate tokens/s: every completion token over the wall time of the level (prefill, HTTP and all). "
              "Decode tokens/s (batched server only): tokens fed through batched forwards over the scheduler's time "

@@ -113,7 +113,10 @@ def test_attack_fails(place, attack, targets):
     assert extra_check(attack, out), out[-3000:]
     assert after.startswith("alive"), after  # the sandbox still answers
     if attack == "fork_bomb":
-        assert peak[0] <= shell.MAX_PROCESSES + 2, peak[0]  # + bwrap's PID 1 and nothing else
+        # RLIMIT_NPROC (MAX_PROCESSES) stops the bomb first, but the kernel's check races concurrent forks
+        # (a CI run on 2 loaded cores saw 260); the hard cap is the episode cgroup's pids.max
+        cap = shell.EPISODE_PROCESSES if p.sb.cgroup_caps != "none" else shell.MAX_PROCESSES
+        assert peak[0] <= cap + 2, (peak[0], p.sb.cgroup_caps)  # + bwrap's PID 1 and nothing else
         assert "Resource temporarily unavailable" in out or "retry" in out, out[-2000:]
         assert left <= 3, left  # the bomb is gone: PID 1, the shell (and `echo`'s leftovers none)
     if attack == "output_flood":

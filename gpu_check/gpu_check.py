@@ -1,14 +1,16 @@
 """The GPU check: validate and measure the CUDA path in one unattended run (stdlib only).
 
     bash gpu_check/run.sh [--out DIR] [--wheels DIR]
-                          [--phases install,build,probe,kernels,sanitizer,tests,flashbob,last_stage,trainer,balance]
+                          [--phases install,build,probe,kernels,sanitizer,tests,flashbob,last_stage,trainer[,balance]]
                           [--total-s 510] [--budget PHASE=SECONDS ...] [--quick] [--plan]
 
 (gpu_check/run.sh runs this file with $PYTHON, default python3.) Phases, each in its own
 subprocess with its own time limit, so one slow phase cannot eat the whole window, ordered by
 what they tell: first the cheap diagnoses that pin a failure on one instruction or one kernel,
 each in a fresh process that writes its result before the next starts (a fault poisons only the
-CUDA context of its own process), then tests, speed, the last stage and the trainer:
+CUDA context of its own process), then tests and the kernel benchmark (its cross-checks), then the
+long-context measurements of the 8B recipe (issue 37: Qwen3-8B at 32K on an 80 GB GPU), which get
+what is left:
 
   install     what the check needs from requirements/gpu.txt (torch with CUDA, deepspeed,
               transformers, safetensors, ninja, numpy, pytest), skipping what is already installed;
@@ -28,23 +30,32 @@ CUDA context of its own process), then tests, speed, the last stage and the trai
               (one shape), where the image has compute-sanitizer; otherwise a recorded skip.
   tests       python -m pytest tests/ops (the CUDA correctness tests); a test module that is
               skipped as a whole (or absent from the report) fails this phase.
-  flashbob    gpu_check/bench_flashbob_cuda.py: second-order step vs flash-attn vs PyTorch math.
-  last_stage  gpu_check/bench_last_stage.py: Qwen3-8B last-stage meta-training step, T = 2K/8K/16K.
-  trainer     gpu_check/bench_trainer.py: the real `deepspeed launch/train.py`, one stage, Qwen3-8B
-              shape (36 layers or the most that fit), T = 8K then 4K, AdamW steps, save and --resume.
-  balance     gpu_check/bench_balance.py: benchmarks/pipeline_balance --device cuda, each PP4 stage timed.
+  flashbob    gpu_check/bench_flashbob_cuda.py: second-order step vs flash-attn vs PyTorch math (its
+              cross-check at N = 1024 first, then sizes, the per-kernel profile and the tile sweep).
+  last_stage  gpu_check/bench_last_stage.py: one meta-training step of Qwen3-8B's last stage with the
+              TTT settings of ds_configs/run_qwen3_8b.json (read at run time), T = 2K / 8K / 16K / 32K
+              ascending (the reference cross-check at 2K right after the first): peak memory, step s,
+              tokens/s per T, written after each T; an out-of-memory is a recorded row.
+  trainer     gpu_check/bench_trainer.py: the real `deepspeed launch/train.py` on one GPU with the
+              shipped configs (run_qwen3_8b.json with the qwen3-8b preset, random weights built on the
+              device; the one-stage Qwen3-8B DeepSpeed config of ds_configs/, or a temporary copy with
+              only its world-size fields changed), >= 3 AdamW (ZeRO-1) steps at 8K tokens: peak memory
+              per rank, step s, tokens/s, steps done; save + --resume when the budget holds it.
+  balance     optional (not run unless --phases names it): gpu_check/bench_balance.py,
+              benchmarks/pipeline_balance --device cuda, each PP4 stage timed.
 
 Results: DIR (default benchmarks/results/gpu) gets environment.json, setup.json (install, build,
 probe, kernels, sanitizer, tests: the first contact), flashbob_cuda.json, last_stage.json,
-trainer.json, pipeline_balance_gpu.json, summary.md and gpu_check.log (8 files), rewritten as the
-phases progress; results of an earlier run in DIR are removed first (README.md stays).
+trainer.json, pipeline_balance_gpu.json (only when balance runs), summary.md and gpu_check.log
+(at most 8 files), rewritten as the phases progress; results of an earlier run in DIR are removed
+first (README.md stays).
 
 Time: --total-s (default 510 s, inside a 9-minute window) is the whole run; a phase's limit is
 min(its own budget, what is left after reserving the minimum of every later phase). A phase
-killed at its limit keeps the rows it finished; trainer and balance are skipped (their file says
-why) when less than their minimum is left. Exit status: 0 every correctness check passed;
-1 a check failed (setup, tests/ops, benchmark cross-checks, non-finite results); 2 refused: no
-CUDA GPU visible (nothing is written) or bad arguments.
+killed at its limit keeps the rows it finished (a row it was running says so); trainer and balance
+are skipped (their file says why) when less than their minimum is left. Exit status: 0 every
+correctness check passed; 1 a check failed (setup, tests/ops, benchmark cross-checks, non-finite
+results); 2 refused: no CUDA GPU visible (nothing is written) or bad arguments.
 """
 
 from __future__ import annotations
@@ -77,12 +88,20 @@ from gpu_results import (PhaseRecord, RESULT_FILES, failed_checks, read_json, wr
 
 PHASES = ("install", "build", "probe", "kernels", "sanitizer", "tests", "flashbob", "last_stage", "trainer",
           "balance")
+OPTIONAL = ("balance",)  # run only when --phases names them: no minimum of theirs is reserved otherwise
+DEFAULT_PHASES = tuple(p for p in PHASES if p not in OPTIONAL)
 # Upper limit of each phase, and the minimum each later phase keeps reserved (seconds). The build
-# minimum covers loading the prebuilt objects; a JIT fallback takes 45-90 s more.
+# minimum covers loading the prebuilt objects; a JIT fallback takes 45-90 s more. The H200 run of
+# 2026-12-04 took 24 / 7 / 7 / 25 / 41 / 47 s for install..tests and 26 s for flashbob.
 BUDGETS = {"install": 240.0, "build": 240.0, "probe": 60.0, "kernels": 90.0, "sanitizer": 90.0,
-           "tests": 150.0, "flashbob": 90.0, "last_stage": 150.0, "trainer": 240.0, "balance": 90.0}
+           "tests": 150.0, "flashbob": 60.0, "last_stage": 120.0, "trainer": 240.0, "balance": 90.0}
 MINIMUMS = {"install": 20.0, "build": 30.0, "probe": 15.0, "kernels": 30.0, "sanitizer": 20.0, "tests": 30.0,
-            "flashbob": 45.0, "last_stage": 60.0, "trainer": 120.0, "balance": 45.0}
+            "flashbob": 40.0, "last_stage": 80.0, "trainer": 150.0, "balance": 45.0}
+# Seconds each phase took in that H200 run (last_stage and trainer: not yet measured in this form, so
+# their whole limit), for the plan's second column: the limit a phase gets when the earlier ones take these.
+TYPICAL_S = {"install": 24.0, "build": 7.0, "probe": 7.0, "kernels": 25.0, "sanitizer": 41.0, "tests": 47.0,
+             "flashbob": 26.0, "balance": 70.0}
+ENV_PROBE_S = 10.0  # collect_env before the first phase (inside --total-s)
 FIRST_CONTACT = ("probe", "kernels", "sanitizer")  # need the op (or the probe) and a GPU, write setup.json
 LAUNCHERS = ("fwd", "bwd", "bwd_bwd")
 # The kernels each launcher enqueues, in order (first_contact.KERNEL_OUTPUTS, which needs torch;
@@ -102,9 +121,23 @@ IMPORT_CHECK = ("import torch, deepspeed, transformers, safetensors, ninja, nump
                 "print('imports ok: torch', torch.__version__, 'deepspeed', deepspeed.__version__)")
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu"
 DEFAULT_WHEELS = REPO / ".whl"
-QUICK = {"sizes": "1024,4096", "contexts": "2048", "repeats": "1", "trainer_contexts": "4096"}
-FULL = {"sizes": "1024,2048,4096,8192,16384,32768", "contexts": "2048,8192,16384", "repeats": "2",
-        "trainer_contexts": "8192,4096"}
+RECIPE = REPO / "ds_configs" / "run_qwen3_8b.json"  # the 8B recipe the last_stage and trainer phases measure
+QUICK = {"sizes": "1024,4096", "contexts": "2048", "repeats": "1", "trainer_contexts": "4096", "trainer_steps": "3"}
+FULL = {"sizes": "1024,2048,4096,8192,16384,32768", "contexts": "2048,8192,16384,32768", "repeats": "2",
+        "trainer_contexts": "8192", "trainer_steps": "3"}
+# What each phase records, for --plan.
+WHAT = {"install": "the GPU stack from requirements/gpu.txt (from .whl/ when it has wheels)",
+        "build": "FlashBoB CUDA op: prebuilt C-ABI library when its manifest fits, else JIT",
+        "probe": "tensor-core probe against the PTX ISA tables (setup.json)",
+        "kernels": "each launcher's kernels alone at N=96, CUDA_LAUNCH_BLOCKING=1 (setup.json)",
+        "sanitizer": "compute-sanitizer memcheck/racecheck/synccheck, or a recorded skip (setup.json)",
+        "tests": "pytest tests/ops (setup.json)",
+        "last_stage": "Qwen3-8B last stage, ttt of {recipe}, T={contexts} (+ reference at the smallest): "
+                      "peak memory, step s, tokens/s per T (last_stage.json)",
+        "trainer": "deepspeed launch/train.py, 1 GPU, {recipe} + one-stage ds_configs/qwen3_8b*, {steps} steps at "
+                   "T={trainer_contexts}: peak per rank, step s, tokens/s, steps done (trainer.json)",
+        "flashbob": "FlashBoB kernels: cross-check at N=1024, N={sizes}, profile, tile sweep (flashbob_cuda.json)",
+        "balance": "PP4 stages timed alone (pipeline_balance_gpu.json)"}
 
 
 # ---- arguments -----------------------------------------------------------------------------------
@@ -137,7 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="results folder (default %(default)s)")
     ap.add_argument("--wheels", default=None,
                     help="install missing packages only from this folder of wheels (default: .whl/ when it exists)")
-    ap.add_argument("--phases", type=_phase_list, default=list(PHASES), help=f"subset of {','.join(PHASES)}")
+    ap.add_argument("--phases", type=_phase_list, default=list(DEFAULT_PHASES),
+                    help=f"subset of {','.join(PHASES)} (default: all but the optional {','.join(OPTIONAL)})")
     ap.add_argument("--total-s", type=float, default=510.0, help="time for the whole run (default %(default)s)")
     ap.add_argument("--budget", type=_budget, action="append", default=[], metavar="PHASE=SECONDS",
                     help="upper time limit of one phase (repeatable)")
@@ -162,14 +196,24 @@ def phase_limit(phase: str, phases: list[str], remaining_s: float, budgets: dict
 
 
 def describe_plan(a: argparse.Namespace) -> str:
+    sizes = QUICK if a.quick else FULL
+    fill = {**sizes, "recipe": RECIPE.relative_to(REPO), "steps": sizes["trainer_steps"]}
     lines = [f"gpu_check plan: results in {a.out}; whole run <= {a.total_s:.0f} s"
              + (" (quick)" if a.quick else "")]
     remaining = a.total_s
+    typical_left = a.total_s - ENV_PROBE_S
     for p in a.phases:
         limit = phase_limit(p, a.phases, remaining, a.budgets)
+        typical_limit = phase_limit(p, a.phases, typical_left, a.budgets)
         lines.append(f"  {p:<11} limit {a.budgets[p]:>5.0f} s; reserved minimum {MINIMUMS[p]:>3.0f} s; "
-                     f"{limit:>4.0f} s if every earlier phase ran to its limit")
+                     f"{limit:>4.0f} s if every earlier phase ran to its limit, {typical_limit:>4.0f} s after the "
+                     f"H200 run's times: {WHAT[p].format(**fill)}")
         remaining -= limit
+        typical_left -= min(TYPICAL_S.get(p, typical_limit), typical_limit)
+    for p in PHASES:
+        if p not in a.phases:
+            why = "optional, run it with --phases ...," + p if p in OPTIONAL else "not in --phases"
+            lines.append(f"  {p:<11} not run ({why})")
     src = f"only from wheels in {a.wheels}" if a.wheels else "from the package index"
     lines.append(f"  install source: {src}")
     return "\n".join(lines)
@@ -608,10 +652,15 @@ def phase_bench(ctx: "Context", name: str, file_name: str, cmd: list[str], timeo
                   + f": {last_lines(r['tail'])} (full output: gpu_check.log)")
         rec.finish("timeout" if r["timed_out"] else "failed", r["seconds"])
         return
+    running = [row for row in data.get("rows", []) if isinstance(row, dict) and row.get("status") == "running"]
+    for row in running:  # the measurement in flight when the child ended
+        row["status"] = (f"killed at the phase limit ({timeout:.0f} s)" if r["timed_out"]
+                         else f"crashed (exit {r['rc']})")
     if r["timed_out"]:
         data["status"] = "timeout"
         data.setdefault("notes", []).append(f"killed at the phase limit of {timeout:.0f} s; every row above was "
-                                            "complete when written")
+                                            "complete when written" + (f" except the one in flight ({len(running)})"
+                                                                       if running else ""))
     elif r["rc"] != 0 and data.get("status") in ("ok", "running"):
         data["status"] = "failed"
         data.setdefault("checks", []).append({"name": f"{name}: benchmark exited cleanly", "ok": False,
@@ -621,12 +670,19 @@ def phase_bench(ctx: "Context", name: str, file_name: str, cmd: list[str], timeo
     write_json_atomic(path, data)
 
 
-def phase_command(python: str, phase: str, out: Path, seconds: float, sizes: dict) -> list[str]:
-    """The child command of the trainer or balance phase, its own budget inside the phase limit."""
+def phase_command(python: str, phase: str, out: Path, seconds: float, sizes: dict, *, built: bool = True) -> list[str]:
+    """The child command of a benchmark phase (last_stage, trainer, balance), its own budget inside the
+    phase limit. `built`: the FlashBoB CUDA op loaded (else the last stage measures the reference backend)."""
     budget = f"{max(seconds - CHILD_STARTUP_S, 10):.0f}"
+    if phase == "last_stage":
+        cmd = [python, str(HERE / "bench_last_stage.py"), "--out", str(out / BENCH_FILES["last_stage"]),
+               "--run-config", str(RECIPE), "--contexts", sizes["contexts"], "--repeats", sizes["repeats"],
+               "--budget-s", budget]
+        return cmd if built else cmd + ["--backends", "reference"]
     if phase == "trainer":
         return [python, str(HERE / "bench_trainer.py"), "--out", str(out / BENCH_FILES["trainer"]),
-                "--contexts", sizes["trainer_contexts"], "--budget-s", budget]
+                "--contexts", sizes["trainer_contexts"], "--steps", sizes["trainer_steps"], "--run-config", str(RECIPE),
+                "--ds-configs", str(REPO / "ds_configs"), "--budget-s", budget]
     if phase == "balance":
         return [python, str(HERE / "bench_balance.py"), "--out", str(out / BENCH_FILES["balance"]),
                 "--budget-s", budget]
@@ -795,10 +851,7 @@ def main(argv=None) -> int:
                     cmd.append("--no-flashbob")
                 phase_bench(ctx, "flashbob_cuda", "flashbob_cuda.json", cmd, seconds)
             elif p == "last_stage":
-                backends = "cuda,reference" if built or "build" not in args.phases else "reference"
-                cmd = [ctx.python, str(HERE / "bench_last_stage.py"), "--out", str(out / "last_stage.json"),
-                       "--contexts", sizes["contexts"], "--repeats", sizes["repeats"], "--backends", backends,
-                       "--budget-s", f"{max(seconds - CHILD_STARTUP_S, 10):.0f}"]
+                cmd = phase_command(ctx.python, p, out, seconds, sizes, built=built or "build" not in args.phases)
                 phase_bench(ctx, "last_stage", "last_stage.json", cmd, seconds)
             elif p in ("trainer", "balance"):
                 if "build" in args.phases and not built:
@@ -808,6 +861,9 @@ def main(argv=None) -> int:
                 cmd = phase_command(ctx.python, p, out, seconds, sizes)
                 phase_bench(ctx, BENCH_FILES[p].removesuffix(".json"), BENCH_FILES[p], cmd, seconds)
             phase_times[p] = {"status": "ran", "seconds": round(time.monotonic() - start, 1), "limit_s": round(seconds)}
+        for p in OPTIONAL:
+            if p not in args.phases:
+                phase_times[p] = {"status": f"not run (optional: add it with --phases ...,{p})"}
         ctx.setup.set(phase_times=phase_times)
         ctx.setup.finish("failed" if any(not c["ok"] for c in ctx.setup.data["checks"]) else "ok",
                          sum(v.get("seconds", 0) for k, v in phase_times.items()

@@ -11,10 +11,14 @@ Every phase of `gpu_check/run.sh` leaves one JSON file in the results folder
                          counts per module: a module skipped as a whole fails)
     flashbob_cuda.json   FlashBoB second-order step vs flash-attn fwd+bwd vs PyTorch math, N = 1K..32K,
                          and per-kernel profiler times at 8K (useful and executed FLOP/s)
-    last_stage.json      one meta-training step of the Qwen3-8B last pipeline stage, T = 2K / 8K / 16K
-    trainer.json         deepspeed launch/train.py on the GPU (one stage): tokens/s, step time, memory
-                         split, loss, save + --resume equality, the layer count that fitted
-    pipeline_balance_gpu.json  each PP4 stage of Qwen3-8B timed alone on the GPU (benchmarks/pipeline_balance)
+    last_stage.json      one meta-training step of the Qwen3-8B last pipeline stage with the TTT settings of
+                         ds_configs/run_qwen3_8b.json, T = 2K / 8K / 16K / 32K: step s, tokens/s, peak
+                         allocated / reserved memory, whether it fits an 80 GB GPU, out-of-memory rows
+    trainer.json         deepspeed launch/train.py on the GPU (one stage, the shipped configs): steps done
+                         of planned, tokens/s, step time, peak per rank and its split, loss, save +
+                         --resume equality, the layer count that fitted, the DeepSpeed config used
+    pipeline_balance_gpu.json  each PP4 stage of Qwen3-8B timed alone on the GPU (benchmarks/pipeline_balance;
+                         optional phase)
     summary.md           the tables below, rendered from those files
     gpu_check.log        everything the run printed
 
@@ -268,10 +272,14 @@ def render_summary(results_dir: str | os.PathLike) -> str:
                   f"{cfg.get('description', '')}", ""]
         rows = []
         for r in ls["rows"]:
+            peak = _gib(r.get("peak_bytes"))
+            if r.get("status") == "oom" and r.get("peak_bytes_before_oom") is not None:
+                peak = f">= {_gib(r['peak_bytes_before_oom'])} (OOM)"
             rows.append([str(r.get("tokens")), r.get("backend", "?"), r.get("status", "?"), _fmt(r.get("num_events")),
-                         _fmt(r.get("step_s")), _fmt(r.get("tokens_per_s")), _gib(r.get("peak_bytes")),
-                         _fmt(r.get("loss"))])
-        lines += _table(["T", "attention", "status", "events", "step s", "tokens/s", "peak GiB", "loss"], rows)
+                         _fmt(r.get("step_s")), _fmt(r.get("repeats_run")), _fmt(r.get("tokens_per_s")), peak,
+                         _gib(r.get("reserved_peak_bytes")), _fmt(r.get("fits_80gb")), _fmt(r.get("loss"))])
+        lines += _table(["T", "attention", "status", "events", "step s", "repeats", "tokens/s", "peak GiB",
+                         "reserved GiB", "fits 80 GB", "loss"], rows)
     lines += _trainer_section(tr) + _balance_section(pb)
     for label, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls), ("trainer", tr), ("balance", pb)):
         notes = (data or {}).get("notes", [])
@@ -311,10 +319,17 @@ def _trainer_section(tr) -> list[str]:
     if not tr or not tr.get("rows"):
         return []
     fit = tr.get("layer_fit") or {}
-    tried = ", ".join(f"{a.get('layers')}: {'ran' if a.get('ok') else 'OOM' if a.get('oom') else 'failed'}"
+    tried = ", ".join(f"{a.get('layers')}: " + ("ran" if a.get("ok") else "OOM" if a.get("oom") else
+                                                 "skipped" if a.get("skipped") else "failed")
                       for a in fit.get("attempts", []))
+    src = (tr.get("config") or {}).get("deepspeed_source") or {}
     lines = ["", "## Trainer on the GPU: deepspeed launch/train.py", "", (tr.get("config") or {}).get("description", ""),
              "", f"Layers: {fit.get('layers', '?')} of 36 (attempts: {tried or 'none'}).", ""]
+    if src:
+        changed = ", ".join(f"{k} {v.get('from')} -> {v.get('to')}" for k, v in (src.get("changed") or {}).items())
+        lines += [f"DeepSpeed config: {src.get('source')}"
+                  + (f", a temporary copy for {src.get('world_size')} GPU changing {changed}." if src.get("generated")
+                     else ", as shipped."), ""]
     rows = []
     for r in tr["rows"]:
         mem = r.get("memory") or {}
@@ -325,13 +340,15 @@ def _trainer_section(tr) -> list[str]:
         res = resume.get("status", "–") if resume.get("status") != "ok" else (
             "equal (exact)" if resume.get("exact") else f"equal within {_fmt(resume.get('max_rel_diff'))}"
             if resume.get("ok") else f"**differs** ({_fmt(resume.get('max_rel_diff'))})")
+        steps = f"{_fmt(r.get('steps_done'))}/{_fmt(r.get('steps_planned'))}" if r.get("steps_planned") else "–"
         rows.append([str(r.get("tokens")), r.get("status", "?") + (f" ({r['reason']})" if r.get("reason") else ""),
-                     _fmt(r.get("tokens_per_step")), _fmt(r.get("step_time_s")), _fmt(r.get("tokens_per_s")),
-                     part("peak_bytes"), part("weights_bytes"), part("optimizer_bytes"), part("gradients_bytes"),
-                     part("activations_bytes"), _fmt(r.get("final_loss")), res])
-    lines += _table(["capacity", "status", "tokens/step", "step s", "tokens/s", "peak GiB (measured)",
-                     "weights (computed)", "optimizer (computed)", "grads (computed)",
-                     "activations (peak - computed)", "loss", "resume"], rows)
+                     _fmt(r.get("layers")), steps, _fmt(r.get("tokens_per_step")), _fmt(r.get("step_time_s")),
+                     _fmt(r.get("tokens_per_s")), part("peak_bytes"), _fmt(r.get("fits_80gb")), part("weights_bytes"),
+                     part("optimizer_bytes"), part("gradients_bytes"), part("activations_bytes"),
+                     _fmt(r.get("final_loss")), res])
+    lines += _table(["capacity", "status", "layers", "steps done", "tokens/step", "step s", "tokens/s",
+                     "peak GiB per rank (measured)", "fits 80 GB", "weights (computed)", "optimizer (computed)",
+                     "grads (computed)", "activations (peak - computed)", "loss", "resume"], rows)
     return lines
 
 

@@ -2,6 +2,8 @@
 
     .venv-cuda/bin/python gpu_check/prebuild_ops.py [--out gpu_check/prebuilt] [--log FILE]
     # normally through: bash gpu_check/prebuild.sh   (sets up .venv-cuda and cuobjdump first)
+    .venv/bin/python gpu_check/prebuild_ops.py --check [--out DIR] [--capability 9.0]
+    # is DIR current? the loader's own rule (builder.prebuilt_mismatch) for the GPU modules; exit 0 yes, 1 no
 
 Needs CUDA_HOME with nvcc (the toolkit version the GPU machine has), cuobjdump (on PATH, under
 $CUDA_HOME/bin, or from the nvidia-cuda-cuobjdump wheel) and, for the emulated probe only, a torch
@@ -159,11 +161,56 @@ def dump_resource_usage(out: Path, manifest: dict) -> str:
     return "\n".join(parts)
 
 
+GPU_MODULES = ("ds_ttt_flashbob_cuda", "ds_ttt_mma_probe_cuda")  # what the GPU machine loads from the folder
+
+
+def check_current(out: Path, capability: tuple[int, int] = (9, 0)) -> tuple[bool, list[str]]:
+    """Whether the prebuilt folder is what the loader would use on a GPU of `capability` (default the
+    H200's sm_90): the manifest, its files, and builder.prebuilt_mismatch (kernel sources' sha256,
+    architectures; torch / Python for a torch-ABI module) for each GPU module. Returns (ok, lines)."""
+    import platform
+
+    from ds_ttt.ops.flashbob.builder import prebuilt_mismatch, sources_digest
+
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        return False, [f"{out / 'manifest.json'}: not usable ({type(exc).__name__}: {exc}); run bash gpu_check/prebuild.sh"]
+    digest = sources_digest()
+    lines = [f"manifest {out / 'manifest.json'}: built {manifest.get('built_at')}, sources sha256 "
+             f"{str(manifest.get('sources_sha256'))[:16]}, current sources {digest[:16]}, archs {manifest.get('arch_list')}"]
+    ok = True
+    for name in GPU_MODULES:  # C-ABI entries: the rule skips torch and Python (they depend on neither)
+        why = prebuilt_mismatch(manifest, name, torch_version=manifest.get("torch", ""),
+                                python=platform.python_version_tuple()[0] + "." + platform.python_version_tuple()[1],
+                                digest=digest, capability=capability)
+        entry = (manifest.get("modules") or {}).get(name) or {}
+        if not why and not (out / entry.get("file", "")).is_file():
+            why = f"{out / entry.get('file', '?')} is missing"
+        ok &= not why
+        lines.append(f"{name}: " + (f"current for sm_{capability[0]}{capability[1]} ({entry.get('file')}, "
+                                    f"{entry.get('abi')} ABI)" if not why else f"NOT current: {why}"))
+    return ok, lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="folder for the objects (default %(default)s)")
     ap.add_argument("--log", default=None, help="also write the cuobjdump dump with a header to this file")
+    ap.add_argument("--check", action="store_true",
+                    help="build nothing: say whether --out is current for the loader (exit 0) or not (exit 1)")
+    ap.add_argument("--capability", default="9.0", help="GPU compute capability for --check (default %(default)s)")
     a = ap.parse_args(argv)
+    if a.check:
+        try:
+            cap = tuple(int(x) for x in a.capability.split("."))
+            assert len(cap) == 2
+        except (ValueError, AssertionError):
+            ap.error(f"--capability must look like 9.0, got {a.capability!r}")
+        ok, lines = check_current(Path(a.out).resolve(), cap)
+        print("\n".join(f"[prebuild --check] {ln}" for ln in lines))
+        print(f"[prebuild --check] {'current' if ok else 'STALE: rerun bash gpu_check/prebuild.sh'}")
+        return 0 if ok else 1
     out = Path(a.out).resolve()
     t0 = time.perf_counter()
     manifest = build_all(out)

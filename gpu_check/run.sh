@@ -15,10 +15,12 @@
 # CUDA_LAUNCH_BLOCKING=1, naming the kernel and its first wrong element; compute-sanitizer memcheck,
 # racecheck and synccheck where the image has it (else a recorded skip); pytest tests/ops (a module
 # skipped as a whole fails); the FlashBoB CUDA benchmark with per-kernel profiler times at 8K; one
-# meta-training step of a Qwen3-8B-shaped last pipeline stage at T = 2K / 8K / 16K; the real
-# `deepspeed launch/train.py` on the GPU (one stage, save + --resume); each PP4 stage timed alone.
+# meta-training step of Qwen3-8B's last pipeline stage with the TTT settings of
+# ds_configs/run_qwen3_8b.json at T = 2K / 8K / 16K / 32K (an out-of-memory is a recorded row); the
+# real `deepspeed launch/train.py` on the GPU (the shipped configs, one stage, 3 steps at 8K; save +
+# --resume when the time holds it); optionally (--phases ...,balance) each PP4 stage timed alone.
 # Writes environment.json, setup.json, flashbob_cuda.json, last_stage.json, trainer.json,
-# pipeline_balance_gpu.json, summary.md, gpu_check.log (8 files).
+# [pipeline_balance_gpu.json,] summary.md, gpu_check.log (at most 8 files).
 # Exit 0: every correctness check passed; 1: a check failed; 2: refused (no CUDA GPU visible —
 # nothing is written) or bad arguments. Python: $PYTHON (default python3), >= 3.10.
 # The work is done by gpu_check/gpu_check.py; see docs/gpu.md.

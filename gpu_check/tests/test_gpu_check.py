@@ -1,7 +1,9 @@
-"""The GPU check's CPU-testable parts: clean refusal without CUDA, arguments and time limits,
-process-group timeouts that keep partial results, the result writer and summary, and the
-benchmark step functions on tiny CPU shapes (reference backend vs PyTorch math; the last-stage
-meta-training step with the reference backend). The first contact (probe, kernels alone,
+"""The GPU check's CPU-testable parts: clean refusal without CUDA, arguments, the phase plan and time
+limits, process-group timeouts that keep partial results (and mark the measurement in flight), the
+result writer and summary, and the benchmark step functions on tiny CPU shapes (reference backend vs
+PyTorch math; the last-stage meta-training step with the reference backend; the last stage's run over
+T = 2K..32K with the 8B recipe's TTT settings, an out-of-memory at 16K and the time budget, through a
+fake step). The prebuilt kernels' manifest check uses the loader's own rule. The first contact (probe, kernels alone,
 sanitizer; gpu_check/first_contact.py) runs on the CPU emulator's builds as the "GPU", also
 with a corrupted lane / element / a fault, and its phases with fake child processes; the tests
 phase must fail on a module skipped as a whole; the per-kernel profiler accounting, the FLOP
@@ -78,6 +80,26 @@ def test_plan_and_help_need_no_gpu():
     r = subprocess.run(["bash", "gpu_check/run.sh", "--help"], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "--wheels" in r.stdout and "--quick" in r.stdout
+
+
+def test_plan_prints_the_long_context_phases_and_their_limits():
+    """--plan names the last stage's lengths and recipe, the trainer's steps and context, every limit, and
+    balance as optional (failed on the code before: T up to 16K, trainer at 8K then 4K, balance reserved)."""
+    r = subprocess.run(["bash", "gpu_check/run.sh", "--plan"], cwd=REPO, capture_output=True, text=True,
+                       env=_env_without_gpu_tools(), timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines()[1:] if ln.startswith("  ") and ln.split()[0] in gpu_check.PHASES}
+    assert list(lines) == list(gpu_check.PHASES)
+    assert "limit   120 s; reserved minimum  80 s" in lines["last_stage"]
+    assert "T=2048,8192,16384,32768" in lines["last_stage"] and "ds_configs/run_qwen3_8b.json" in lines["last_stage"]
+    assert "limit   240 s; reserved minimum 150 s" in lines["trainer"] and "3 steps at T=8192" in lines["trainer"]
+    assert "limit    60 s; reserved minimum  40 s" in lines["flashbob"]
+    assert "not run (optional" in lines["balance"]
+    assert gpu_check.parse_args([]).phases == list(gpu_check.DEFAULT_PHASES) and "balance" not in gpu_check.DEFAULT_PHASES
+    assert gpu_check.parse_args(["--phases", "trainer,balance"]).phases == ["trainer", "balance"]
+    # the trainer's worst case is its minimum; after the H200 run's phase times it gets more
+    typical = int(lines["trainer"].split("limit, ")[1].split()[0])
+    assert typical >= 180
 
 
 def test_the_old_command_forwards_to_the_check():
@@ -207,6 +229,33 @@ def test_killed_benchmark_keeps_its_rows_and_is_marked_timeout(tmp_path):
     assert any("killed at the phase limit" in n for n in data["notes"])
 
 
+@pytest.mark.parametrize("how", ["killed", "crashed"])
+def test_the_measurement_in_flight_is_marked_when_the_benchmark_dies(tmp_path, how):
+    """A row written as "running" before a long T says whether the phase limit or a crash ended it
+    (failed on the code before: it stayed "running")."""
+    ctx = _context(tmp_path)
+    script = tmp_path / "bench.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(GPU_DIR)!r})
+        from gpu_results import PhaseRecord
+        rec = PhaseRecord(sys.argv[1], "last_stage")
+        rec.add_row({{"tokens": 8192, "status": "ok"}})
+        rec.add_row({{"tokens": 32768, "status": "running"}})
+        print("32K started", flush=True)
+        time.sleep(120) if {how == "killed"!r} else sys.exit(3)
+    """))
+    path = ctx.out / "last_stage.json"
+    gpu_check.phase_bench(ctx, "last_stage", path.name, [sys.executable, str(script), str(path)], timeout=6)
+    data = json.loads(path.read_text())
+    assert data["rows"][0]["status"] == "ok"
+    if how == "killed":
+        assert data["status"] == "timeout" and data["rows"][1]["status"] == "killed at the phase limit (6 s)"
+        assert "except the one in flight" in data["notes"][-1]
+    else:
+        assert data["status"] == "failed" and data["rows"][1]["status"] == "crashed (exit 3)"
+
+
 def test_crashed_benchmark_without_results_becomes_a_failed_check(tmp_path):
     ctx = _context(tmp_path)
     cmd = [sys.executable, "-c", "raise SystemExit('boom: no kernel')"]
@@ -296,8 +345,11 @@ def test_summary_renders_every_phase(tmp_path):
     fb.add_row({"n": 32768, "method": "math_bob", "status": "oom"})
     # last_stage.json left "running": a killed phase shows as interrupted
     ls = gpu_results.PhaseRecord(tmp_path / "last_stage.json", "last_stage", config={"description": "9 layers"})
-    ls.add_row({"tokens": 2048, "backend": "cuda", "status": "ok", "num_events": 3, "step_s": 1.25,
-                "tokens_per_s": 1638.4, "peak_bytes": 40 * 2**30, "loss": 11.9})
+    ls.add_row({"tokens": 2048, "backend": "cuda", "status": "ok", "num_events": 3, "step_s": 1.25, "repeats_run": 2,
+                "tokens_per_s": 1638.4, "peak_bytes": 40 * 2**30, "reserved_peak_bytes": 42 * 2**30, "fits_80gb": True,
+                "loss": 11.9})
+    ls.add_row({"tokens": 32768, "backend": "cuda", "status": "oom", "num_events": 33,
+                "peak_bytes_before_oom": 130 * 2**30})
     path = gpu_results.write_summary(tmp_path)
     text = path.read_text()
     assert "NVIDIA H200" in text and "2.11.0+cu130" in text and "abc123 (dirty)" in text
@@ -306,7 +358,8 @@ def test_summary_renders_every_phase(tmp_path):
     assert "| N | flashbob_bob | math_bob |" in text  # methods side by side, one row per N
     assert "| 1024 | 1.20 (155) | – |" in text and "| 32768 | – | OOM |" in text  # time table
     assert "| 1024 | 3.00 | – |" in text  # memory table
-    assert "| 2048 | cuda | ok | 3 | 1.25 | 1.64e+03 | 40.00 | 11.9 |" in text
+    assert "| 2048 | cuda | ok | 3 | 1.25 | 2 | 1.64e+03 | 40.00 | 42.00 | yes | 11.9 |" in text
+    assert "| 32768 | cuda | oom | 33 | – | – | – | >= 130.00 (OOM) | – | – | – |" in text
     assert "| last-stage meta-training step | interrupted |" in text
     assert "- flash-attn not installed" in text
     assert gpu_results.failed_checks(tmp_path) == ["setup.json: tests/ops: CUDA correctness tests pass: 1 failed"]
@@ -439,6 +492,106 @@ def test_flashbob_benchmark_records_oom_and_time_budget(tmp_path, monkeypatch):
     assert rows[(16, first)] == "ok" and rows[(32, first)] == rows[(64, first)] == "skipped (time budget)"
     assert data["status"] == "ok"  # running out of memory or time is a measurement, not a failure
     assert any("FlashBoB CUDA op unavailable" in n for n in data["notes"])
+
+
+def _recipe_file(tmp_path, **ttt) -> Path:
+    """ds_configs/run_qwen3_8b.json with some TTT settings changed: what the phase must read at run time."""
+    recipe = json.loads((REPO / "ds_configs" / "run_qwen3_8b.json").read_text())
+    path = tmp_path / "run_recipe.json"
+    path.write_text(json.dumps({**recipe, "ttt": {**recipe["ttt"], **ttt}}))
+    return path
+
+
+def _fake_step(calls, *, oom_from=None, clock=None, on_call=None):
+    """Stands in for last_stage_step: records (backend, T, ttt), fills the gradients the checks read and
+    returns what the real step returns; out of memory from T = oom_from; advances `clock` by T / 1024 s."""
+    def step(suffix, ttt, hidden, ids, kinds, rounds):
+        n = hidden.shape[1]
+        calls.append((ttt.attention_backend, n, ttt))
+        if on_call:
+            on_call(ttt.attention_backend, n)
+        if clock is not None:
+            clock[0] += n / 1024
+        if oom_from is not None and n >= oom_from:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        hidden.grad = torch.ones_like(hidden)
+        for p in bls.trainable_parameters(suffix):
+            p.grad = torch.ones_like(p)
+        observed = {r for r, k in zip(rounds[0, :-1].tolist(), kinds[0, 1:].tolist()) if k == 2}
+        return {"loss": 11.5, "num_updates": len(observed), "num_skipped": 0, "num_action_tokens": 4,
+                "num_obs_tokens": 5}
+    return step
+
+
+def test_last_stage_measures_the_recipe_from_2k_to_32k_and_keeps_the_short_lengths_at_an_oom(
+        tmp_path, tiny_qwen3_config, monkeypatch):
+    """T ascending whatever the order given; the reference cross-check right after the first T; each T's row on
+    disk ("running") before it starts, so the 2K and 8K results are there when 16K runs out of memory; the
+    OOM is a row, 32K is then skipped; the TTT settings are the recipe's, read at run time (failed on the
+    code before: hard-coded TTT settings, T up to 16K, the cross-check backend last)."""
+    recipe = _recipe_file(tmp_path, adaptive_layers=2, fast_matrices="down", inner_lr=0.05)
+    out = tmp_path / "last_stage.json"
+    calls, on_disk = [], {}
+
+    def look(backend, n):
+        on_disk[(backend, n)] = [(r["tokens"], r["backend"], r["status"]) for r in json.loads(out.read_text())["rows"]]
+    monkeypatch.setattr(bls, "last_stage_step", _fake_step(calls, oom_from=16384, on_call=look))
+    data = bls.run(out=str(out), contexts=[32768, 2048, 16384, 8192], repeats=1, budget_s=600, preset="tiny",
+                   run_config=recipe, device="cpu", dtype="fp32", prompt=6, action=4, observation=5,
+                   config=tiny_qwen3_config)
+    assert data == json.loads(out.read_text())
+    assert [(b, n) for b, n, _ in calls] == [("cuda", 2048), ("cuda", 2048), ("reference", 2048), ("reference", 2048),
+                                             ("cuda", 8192), ("cuda", 16384)]  # warm-up + 1 repeat at 2K
+    assert all(t.fast_matrices == "down" and t.inner_lr == 0.05 and t.adaptive_layers == 2 for _, _, t in calls)
+    assert on_disk[("cuda", 16384)] == [(2048, "cuda", "ok"), (2048, "reference", "ok"), (8192, "cuda", "ok"),
+                                        (16384, "cuda", "running")]
+    rows = [(r["tokens"], r["backend"], r["status"]) for r in data["rows"]]
+    assert rows == [(2048, "cuda", "ok"), (2048, "reference", "ok"), (8192, "cuda", "ok"), (16384, "cuda", "oom"),
+                    (32768, "cuda", "skipped (OOM at T=16384)")]
+    assert "out of memory" in data["rows"][3]["error"]
+    for r in data["rows"][:3]:
+        assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["repeats_run"] == 1 and r["checks_ok"]
+    assert data["status"] == "ok" and all(c["ok"] for c in data["checks"])
+    assert "cuda vs reference at T=2048: loss and input gradient agree" in [c["name"] for c in data["checks"]]
+    cfg = data["config"]
+    assert cfg["contexts"] == [2048, 8192, 16384, 32768] and cfg["run_config"] == str(recipe)
+    assert cfg["ttt"]["fast_matrices"] == "down" and cfg["backends"] == ["cuda", "reference"]
+    assert "fast_matrices=down" in cfg["description"]
+
+
+def test_last_stage_long_lengths_run_once_and_a_hopeless_one_is_skipped(tmp_path, tiny_qwen3_config, monkeypatch):
+    """Fake clock, a step of T/1024 s, 40 s: 2K and its cross-check twice, 8K and 16K once (predicted over
+    LONG_STEP_S), 32K (predicted 45 s, 4 s left) skipped with its prediction (failed on the code before)."""
+    clock = [0.0]
+    monkeypatch.setattr(bls, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    calls = []
+    monkeypatch.setattr(bls, "last_stage_step", _fake_step(calls, clock=clock))
+    data = bls.run(out=str(tmp_path / "ls.json"), contexts=[2048, 8192, 16384, 32768], repeats=2, budget_s=40,
+                   preset="tiny", ttt=bls.recipe_ttt(_recipe_file(tmp_path, adaptive_layers=2)), device="cpu",
+                   dtype="fp32", prompt=6, action=4, observation=5, config=tiny_qwen3_config)
+    rows = {(r["tokens"], r["backend"]): r for r in data["rows"]}
+    assert [rows[(2048, "cuda")]["repeats_run"], rows[(2048, "reference")]["repeats_run"], rows[(8192, "cuda")]["repeats_run"],
+            rows[(16384, "cuda")]["repeats_run"]] == [2, 2, 1, 1]
+    skipped = rows[(32768, "cuda")]
+    assert skipped["status"] == "skipped (time budget)" and skipped["predicted_s"] == pytest.approx(45.3, abs=0.1)
+    assert data["config"]["run_config"] == "the given TTTConfig"
+    assert bls.repeats_for(3, None, 10) == 3 and bls.repeats_for(3, 2.0, 5.0) == 2 and bls.repeats_for(3, 50.0, 1.0) == 1
+
+
+def test_runner_last_stage_command_measures_the_recipe_at_2k_to_32k(tmp_path):
+    cmd = gpu_check.phase_command("/py", "last_stage", tmp_path, 120.0, gpu_check.FULL)
+    assert cmd[1] == str(GPU_DIR / "bench_last_stage.py") and cmd[cmd.index("--out") + 1] == str(tmp_path / "last_stage.json")
+    args = bls.parse_args(cmd[2:])
+    assert args.contexts == [2048, 8192, 16384, 32768] and args.backends is None  # the recipe's backend + reference
+    assert Path(args.run_config) == REPO / "ds_configs" / "run_qwen3_8b.json" and args.repeats == 2
+    assert args.budget_s == 120.0 - gpu_check.CHILD_STARTUP_S
+    unbuilt = bls.parse_args(gpu_check.phase_command("/py", "last_stage", tmp_path, 120.0, gpu_check.FULL,
+                                                     built=False)[2:])
+    assert unbuilt.backends == ["reference"]
+    assert bls.recipe_ttt().attention_backend == json.loads(
+        (REPO / "ds_configs" / "run_qwen3_8b.json").read_text())["ttt"]["attention_backend"]
+    assert bls.measurement_plan([8, 2, 4], ["cuda", "reference", "cuda"]) == [("cuda", 2), ("reference", 2), ("cuda", 4),
+                                                                                 ("cuda", 8)]
 
 
 def test_last_stage_of_qwen3_8b_shape_builds_on_the_meta_device():
@@ -836,3 +989,32 @@ def test_no_kernel_of_the_prebuilt_library_spills():
     assert ("sm_90", "bob_row_kernel", "bf16", 128, "128/32/8") in compiled
     assert ("sm_80", "bob_row_kernel", "fp16", 128, "64/32/4") in compiled
     assert all(v["REG"] <= 255 for v in compiled.values())
+
+
+# ---- the prebuilt kernels' manifest ------------------------------------------------------------------------
+
+def test_prebuild_check_uses_the_loaders_rule(tmp_path):
+    """`prebuild_ops.py --check` says whether the folder is what load_cuda_op would use on an H200: current
+    sources' sha256, sm_90 in the archs, the files there (failed on the code before: no such check)."""
+    import prebuild_ops
+    from ds_ttt.ops.flashbob.builder import sources_digest
+
+    folder = tmp_path / "prebuilt"
+    folder.mkdir()
+    (folder / "libflashbob_cuda.so").write_bytes(b"\x7fELF")
+    entry = {"file": "libflashbob_cuda.so", "abi": "c", "gpu": True}
+    manifest = {"torch": "2.14.1+cu130", "python": "3.11", "arch_list": "8.0;9.0", "sources_sha256": sources_digest(),
+                "modules": {"ds_ttt_flashbob_cuda": entry, "ds_ttt_mma_probe_cuda": entry}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    ok, lines = prebuild_ops.check_current(folder)
+    assert ok and "ds_ttt_flashbob_cuda: current for sm_90" in "\n".join(lines)
+    assert not prebuild_ops.check_current(folder, (10, 0))[0]  # no cubin for a newer major
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "sources_sha256": "0" * 64}))
+    ok, lines = prebuild_ops.check_current(folder)
+    assert not ok and "kernel sources changed" in "\n".join(lines)
+    (folder / "manifest.json").unlink()
+    ok, lines = prebuild_ops.check_current(folder)
+    assert not ok and "bash gpu_check/prebuild.sh" in lines[0]
+    r = subprocess.run([sys.executable, str(GPU_DIR / "prebuild_ops.py"), "--check", "--out", str(folder)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert r.returncode == 1 and "STALE" in r.stdout

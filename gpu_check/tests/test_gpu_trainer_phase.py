@@ -1,7 +1,10 @@
-"""The GPU check's trainer and balance phases, without CUDA: the commands they build, the layer-fit
-search against a fake launcher that runs out of memory above N layers, the metrics.jsonl parsing,
-the resume comparison, the memory split against a real meta-device model, the time-budget skips
-(inside the phase and in the runner), and benchmarks/pipeline_balance accepting the balance phase's flags.
+"""The GPU check's trainer and balance phases, without CUDA: the configs they take from ds_configs/ (the
+one-stage Qwen3-8B DeepSpeed config, or a copy with only its world-size fields changed; the 8B recipe's
+run config with the qwen3-8b preset), the commands they build (8K context, >= 3 steps), the layer-fit
+search against a fake launcher that runs out of memory above N layers, the steps a launch killed at the
+limit keeps, the metrics.jsonl parsing, the resume comparison, the memory split against a real
+meta-device model, the time-budget skips (inside the phase, with a fake clock, and in the runner), and
+benchmarks/pipeline_balance accepting the balance phase's flags.
 
     .venv/bin/python -m pytest gpu_check/tests/test_gpu_trainer_phase.py -q
 """
@@ -43,10 +46,14 @@ def _metric(step: int, loss: float) -> dict:
 class FakeLauncher:
     """Stands in for run_child: data commands succeed; a train launch with more than `fits` layers
     fails with CUDA's out-of-memory message; others write metrics.jsonl like the trainer (a resume
-    cuts it back to the checkpoint's step and re-runs the later steps, `resume_shift` added to their loss)."""
+    cuts it back to the checkpoint's step and re-runs the later steps, `resume_shift` added to their loss).
+    `killed_after=k`: a measured run (A_*) writes k steps and is then killed at the limit. `clock`: a
+    one-element list of fake seconds that each train launch advances by `launch_s`."""
 
-    def __init__(self, fits: int, resume_shift: float = 0.0, fail_other: bool = False):
+    def __init__(self, fits: int, resume_shift: float = 0.0, fail_other: bool = False, killed_after: int | None = None,
+                 clock: list | None = None, launch_s: float = 30.0):
         self.fits, self.resume_shift, self.fail_other = fits, resume_shift, fail_other
+        self.killed_after, self.clock, self.launch_s = killed_after, clock, launch_s
         self.commands: list[list[str]] = []
 
     def loss(self, step: int, tokens: int) -> float:
@@ -56,12 +63,15 @@ class FakeLauncher:
         self.commands.append(cmd)
         if "--prepare-data" in cmd:  # data preparation
             return {"rc": 0, "timed_out": False, "seconds": 1.0, "tail": "prepared"}
+        if self.clock is not None:
+            self.clock[0] += self.launch_s
         run_cfg = json.loads(Path(_arg(cmd, "--run_config")).read_text())
         layers = 36 if run_cfg["preset"] == "qwen3-8b" else int(_arg(cmd, "--layers"))
         if layers > self.fits:
             return {"rc": 1, "timed_out": False, "seconds": 5.0, "tail": f"rank0: ...\n{OOM_TAIL}"}
         if self.fail_other:
             return {"rc": 1, "timed_out": False, "seconds": 5.0, "tail": "RuntimeError: no kernel image"}
+        killed = False
         if _arg(cmd, "--resume"):
             ckpt = Path(_arg(cmd, "--resume"))
             run_dir, from_step = ckpt.parent, int(ckpt.name.split("_")[1])
@@ -72,31 +82,86 @@ class FakeLauncher:
             run_dir = Path(_arg(cmd, "--output"))
             tokens = int(run_dir.name.split("_")[1])
             rows = [_metric(s, self.loss(s, tokens)) for s in range(1, int(_arg(cmd, "--max_steps")) + 1)]
+            if self.killed_after is not None and run_dir.name.startswith("A_"):
+                rows, killed = rows[:self.killed_after], True
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if killed:
+            return {"rc": -15, "timed_out": True, "seconds": timeout, "tail": "[train] ... killed"}
         return {"rc": 0, "timed_out": False, "seconds": 30.0, "tail": "done"}
+
+
+def _fake_clock(monkeypatch) -> list:
+    """bench_trainer's clock, advanced by hand (FakeLauncher(clock=...))."""
+    clock = [0.0]
+    monkeypatch.setattr(bt, "time", type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    return clock
 
 
 # ---- configs and commands ---------------------------------------------------------------------------
 
-def test_generated_configs_are_one_stage_bf16_zero1_adamw_with_flashbob_cuda():
-    ds = bt.deepspeed_config()
-    assert ds["pipeline"]["stages"] == 1 and ds["bf16"] == {"enabled": True}
-    assert ds["zero_optimization"] == {"stage": 1} and ds["optimizer"]["type"] == "AdamW"
+def _ds(stages: int, train: int, gas: int | None, micro: int = 1) -> dict:
+    d = {"train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
+         "pipeline": {"stages": stages, "activation_checkpoint_interval": 1, "use_reentrant": False},
+         "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "scheduler": {"type": "WarmupCosineLR"}}
+    if gas is not None:
+        d["gradient_accumulation_steps"] = gas
+    return d
+
+
+def test_one_gpu_deepspeed_config_is_the_shipped_one_stage_one_with_only_world_size_fields_changed():
+    """The trainer phase runs the shipped Qwen3-8B DeepSpeed config (failed on the code before: it generated
+    its own config, with 2 micro-batches per step instead of the recipe's)."""
+    from ds_ttt.train.deepspeed_config import validate_deepspeed
+    from ds_ttt.train.run_config import RunConfig
+
+    ds, info = bt.one_gpu_deepspeed_config()
+    assert info["source"] in info["one_stage"] and (REPO / info["source"]).is_file()
+    shipped = json.loads((REPO / info["source"]).read_text())
+    assert info["generated"] == (not bt.batch_fits(shipped, 1))
+    changed = info.get("changed", {})
+    assert set(changed) <= {"train_batch_size", "gradient_accumulation_steps"}  # the world-size fields only
+    assert {k: v for k, v in ds.items() if k not in changed} == {k: v for k, v in shipped.items() if k not in changed}
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
-    run = bt.run_config(36)
-    assert run["preset"] == "qwen3-8b" and bt.run_config(24)["preset"] == "qwen3-8b-24l"
-    assert run["ttt"]["attention_backend"] == "cuda" and run["ttt"]["checkpoint_events"] is True
-    assert run["ttt"]["trainable_scope"] == "prime" and run["save_interval"] == bt.RESUME_FROM
+    assert ds["pipeline"]["stages"] == 1 and ds["zero_optimization"]["stage"] == 1
+    run = RunConfig.from_dict({**bt.recipe_run_config(36, bt.read_recipe()), "data": "m.json", "output": "o"})
+    layout = validate_deepspeed(run.validate(), ds, 1, 36)  # what launch/train.py checks at startup
+    assert layout.num_stages == 1
 
 
-def test_generated_run_config_is_one_the_trainer_accepts(tmp_path):
+def test_one_gpu_deepspeed_config_chooses_and_derives(tmp_path):
+    d = tmp_path / "ds"
+    d.mkdir()
+    with pytest.raises(bt.ConfigProblem, match="no usable Qwen3-8B DeepSpeed config"):
+        bt.one_gpu_deepspeed_config(d)
+    (d / "qwen3_8b_pp4.json").write_text(json.dumps(_ds(4, 32, 32)))
+    ds, info = bt.one_gpu_deepspeed_config(d)  # no one-stage config: stages 4 -> 1, the batch already fits
+    assert info["generated"] and info["one_stage"] == [] and info["changed"] == {"pipeline.stages": {"from": 4, "to": 1}}
+    assert ds["pipeline"]["stages"] == 1 and ds["train_batch_size"] == 32
+    (d / "qwen3_8b_pp1_dp4.json").write_text(json.dumps(_ds(1, 32, 8)))
+    ds, info = bt.one_gpu_deepspeed_config(d)
+    assert info["source"].endswith("qwen3_8b_pp1_dp4.json") and info["generated"]
+    assert info["changed"] == {"train_batch_size": {"from": 32, "to": 8}} and ds["gradient_accumulation_steps"] == 8
+    assert "1 x accumulation 8 x data-parallel 4" in info["why"]
+    (d / "qwen3_8b_pp1_dp1.json").write_text(json.dumps(_ds(1, 8, None)))  # fits one rank: used as shipped
+    ds, info = bt.one_gpu_deepspeed_config(d)
+    assert info["source"].endswith("qwen3_8b_pp1_dp1.json") and not info["generated"] and ds == _ds(1, 8, None)
+    assert bt.batch_fits(_ds(1, 8, None), 1) and not bt.batch_fits(_ds(1, 32, 8), 1) and bt.batch_fits(_ds(1, 32, 8), 4)
+
+
+def test_recipe_run_config_is_the_shipped_one_on_the_preset(tmp_path):
+    from ds_ttt.config import TTTConfig
     from ds_ttt.train.run_config import load_run_config
+
+    recipe = bt.read_recipe()
     path = tmp_path / "run.json"
-    path.write_text(json.dumps(bt.run_config(36)))
+    path.write_text(json.dumps(bt.recipe_run_config(36, recipe)))
     run = load_run_config(str(path), {"data": "m.json", "output": str(tmp_path / "A"), "max_steps": bt.STEPS}, {})
-    assert run.preset == "qwen3-8b" and run.ttt.attention_backend == "cuda" and run.ttt.checkpoint_events
-    assert run.ttt.adaptive_layers == bt.ADAPTIVE_LAYERS and run.ttt.trainable_scope == "prime"
+    assert run.preset == "qwen3-8b" and run.model is None and bt.recipe_run_config(24, recipe)["preset"] == "qwen3-8b-24l"
+    assert run.ttt == TTTConfig.from_dict(recipe["ttt"])  # the recipe's TTT settings, whatever they are
+    assert {k: v for k, v in bt.recipe_run_config(36, recipe).items() if k != "preset"} == \
+        {k: v for k, v in recipe.items() if k not in ("model", "preset")}
 
 
 def test_train_command_is_the_deepspeed_launcher_on_launch_train(tmp_path):
@@ -218,15 +283,22 @@ def test_parameter_counts_match_the_real_model_on_the_meta_device():
     from ds_ttt.model.presets import qwen3_8b_config
     from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 
+    recipe = bt.read_recipe()
     for layers in (36, 12):
         cfg = qwen3_8b_config()
         cfg.num_hidden_layers = layers
         with torch.device("meta"):
-            model = TTTQwen3ForCausalLM(cfg, TTTConfig(adaptive_layers=bt.ADAPTIVE_LAYERS, trainable_scope="prime"))
+            model = TTTQwen3ForCausalLM(cfg, TTTConfig(adaptive_layers=9, trainable_scope="prime"))
+            as_shipped = TTTQwen3ForCausalLM(cfg, TTTConfig.from_dict(recipe["ttt"]))
         total = sum(p.numel() for p in model.parameters())
         prime = sum(p.numel() for n, p in model.named_parameters() if ".prime_" in n)
         counts = bt.parameter_counts(layers)
         assert counts == {"total": total, "trainable": prime}, layers
+        assert bt.parameter_counts(layers, scope="all")["trainable"] == total
+        # the recipe's counts (the memory split's): exact but for the key shift's / address's few parameters
+        shipped = bt.recipe_counts(layers, recipe)
+        real = sum(p.numel() for p in as_shipped.parameters())
+        assert abs(shipped["total"] - real) <= 1e-3 * real, layers
 
 
 def test_memory_split_labels_and_adds_up():
@@ -356,6 +428,7 @@ def test_trainer_phase_records_a_launch_that_left_no_metrics(tmp_path):
     data = json.loads(out.read_text())
     assert data["status"] == "failed" and data["rows"][0]["reason"] == "no usable metrics.jsonl"
     assert [c["name"] for c in data["checks"] if not c["ok"]] == ["trainer T=8192: metrics.jsonl has the steps"]
+    assert "exited 0 but metrics.jsonl has no step" in data["checks"][-1]["detail"]
 
 
 def test_trainer_row_is_on_disk_before_the_resume_check_runs(tmp_path):
@@ -373,6 +446,128 @@ def test_trainer_row_is_on_disk_before_the_resume_check_runs(tmp_path):
     assert len(seen) == 2 and all(rows and rows[0]["status"] == "ok" for rows in seen)
     assert seen[0][0]["resume"] == {"status": "running"}
     assert json.loads(out.read_text())["rows"][0]["resume"]["status"] == "ok"
+
+
+def _recipe_with(tmp_path, **ttt) -> Path:
+    """The shipped 8B recipe with some TTT settings changed (what the phase must pick up at run time)."""
+    recipe = bt.read_recipe()
+    path = tmp_path / "run_recipe.json"
+    path.write_text(json.dumps({**recipe, "ttt": {**recipe["ttt"], **ttt}}))
+    return path
+
+
+def test_trainer_phase_runs_the_recipe_at_8k_for_at_least_3_steps(tmp_path):
+    """The runner's trainer command carries the 8K context, >= 3 steps and the recipe; the phase prepares 8K
+    data, launches --max_steps 3 with the recipe's TTT settings (read at run time) and the one-GPU DeepSpeed
+    config, and records steps done, peak memory per rank, step time and tokens/s (failed on the code before:
+    the command had 8K then 4K and no step count, the TTT settings were hard-coded)."""
+    cmd = gpu_check.phase_command("/py", "trainer", tmp_path, 240.0, gpu_check.FULL)
+    assert _arg(cmd, "--contexts") == "8192" and int(_arg(cmd, "--steps")) >= 3
+    assert _arg(cmd, "--run-config") == str(REPO / "ds_configs" / "run_qwen3_8b.json")
+    assert _arg(cmd, "--ds-configs") == str(REPO / "ds_configs")
+    recipe = _recipe_with(tmp_path, fast_matrices="down", inner_lr=0.05)
+    seen = {}
+
+    class Capturing(FakeLauncher):
+        def __call__(self, cmd, **kw):
+            if "--run_config" in cmd:
+                seen.setdefault("run", json.loads(Path(_arg(cmd, "--run_config")).read_text()))
+                seen.setdefault("ds", json.loads(Path(_arg(cmd, "--deepspeed_config")).read_text()))
+            return super().__call__(cmd, **kw)
+    fake = Capturing(fits=36)
+    out = tmp_path / "trainer.json"
+    bt.run(out=str(out), contexts=[8192], budget_s=3600, steps=3, python="/py", runner=fake, scratch=tmp_path,
+           free_bytes=lambda: 10**15, recipe_path=recipe)
+    data = json.loads(out.read_text())
+    assert data["status"] == "ok", data["checks"]
+    data_cmd = next(c for c in fake.commands if "--prepare-data" in c)
+    ds_cfg, _ = bt.one_gpu_deepspeed_config()
+    assert data_cmd[4] == "8192" and int(data_cmd[5]) >= ds_cfg["train_batch_size"]  # capacity, sessions
+    trains = [c for c in fake.commands if "--prepare-data" not in c]
+    assert _arg(trains[0], "--max_steps") == "3" and _arg(trains[0], "--output").endswith("A_8192_36l")
+    assert seen["run"]["ttt"]["fast_matrices"] == "down" and seen["run"]["ttt"]["inner_lr"] == 0.05
+    assert seen["run"]["preset"] == "qwen3-8b" and "model" not in seen["run"]
+    assert seen["ds"] == ds_cfg and data["config"]["deepspeed_source"]["source"].startswith("ds_configs/qwen3_8b")
+    assert data["config"]["ttt"]["fast_matrices"] == "down"
+    row = data["rows"][0]
+    assert (row["tokens"], row["layers"], row["steps_planned"], row["steps_done"], row["finished_steps"]) == \
+        (8192, 36, 3, 3, True)
+    assert row["peak_bytes_per_rank"] == {"0": 43.0 * 2**30} and row["fits_80gb"] is True
+    assert row["tokens_per_s"] == 2500.0 and row["step_time_s"] > 0 and row["status"] == "ok"
+    assert any(c["name"].startswith("trainer: ds_configs/ has a Qwen3-8B DeepSpeed config") and c["ok"]
+               for c in data["checks"])
+    text = gpu_results.render_summary(tmp_path)
+    assert "DeepSpeed config: ds_configs/qwen3_8b" in text and "| 8192 | ok | 36 | 3/3 |" in text
+    with pytest.raises(ValueError, match="at least 3"):
+        bt.run(out=str(out), contexts=[8192], budget_s=10, steps=2, python="/py", runner=fake, scratch=tmp_path)
+
+
+def test_trainer_phase_without_a_one_stage_config_fails_that_check_and_runs_a_derived_one(tmp_path):
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "qwen3_8b_pp4.json").write_text((REPO / "ds_configs" / "qwen3_8b_pp4.json").read_text())
+    out = tmp_path / "trainer.json"
+    bt.run(out=str(out), contexts=[8192], budget_s=3600, python="/py", runner=FakeLauncher(fits=36), scratch=tmp_path,
+           free_bytes=lambda: 10**15, ds_dir=d)
+    data = json.loads(out.read_text())
+    bad = [c for c in data["checks"] if not c["ok"]]
+    assert [c["name"] for c in bad] == ["trainer: ds_configs/ has a Qwen3-8B DeepSpeed config with one pipeline stage "
+                                        "(for 1 GPU)"]
+    assert data["config"]["deepspeed"]["pipeline"]["stages"] == 1 and data["rows"][0]["status"] == "ok"
+    empty = tmp_path / "none"
+    empty.mkdir()
+    bt.run(out=str(out), contexts=[8192], budget_s=3600, python="/py", runner=FakeLauncher(fits=36), scratch=tmp_path,
+           ds_dir=empty)
+    data = json.loads(out.read_text())
+    assert data["status"] == "failed" and "no usable Qwen3-8B DeepSpeed config" in data["checks"][0]["detail"]
+
+
+@pytest.mark.parametrize("killed_after", [3, 1])
+def test_a_launch_killed_at_the_limit_keeps_the_steps_it_made(tmp_path, killed_after):
+    """metrics.jsonl is the measurement: killed in the final checkpoint save (after its 3 steps) the run
+    finished its steps; killed after step 1 it is a timeout with one step measured, not a failed check
+    (failed on the code before: any killed launch counted as a layer count that did not run)."""
+    out = tmp_path / "trainer.json"
+    bt.run(out=str(out), contexts=[8192], budget_s=3600, python="/py", runner=FakeLauncher(fits=36, killed_after=killed_after),
+           scratch=tmp_path, free_bytes=lambda: 10**15)
+    data = json.loads(out.read_text())
+    row = data["rows"][0]
+    assert data["layer_fit"]["layers"] == 36 and not [c for c in data["checks"] if not c["ok"]]
+    assert (row["steps_done"], row["finished_steps"]) == (killed_after, killed_after == 3)
+    assert row["launch"]["timed_out"] and row["peak_bytes_per_rank"]["0"] == (40.0 + killed_after) * 2**30
+    if killed_after == 3:
+        assert row["status"] == "ok" and "after its last step" in row["note"] and row["resume"]["status"] == "ok"
+    else:
+        assert row["status"] == "timeout" and row["step_time_s"] == 10.0 and row["resume"]["status"] == "skipped"
+    assert f"| {killed_after}/3 |" in gpu_results.render_summary(tmp_path)
+
+
+def test_layer_fit_stops_when_the_budget_holds_no_further_launch(tmp_path, monkeypatch):
+    clock = _fake_clock(monkeypatch)
+    out = tmp_path / "trainer.json"
+    fake = FakeLauncher(fits=30, clock=clock, launch_s=100.0)
+    bt.run(out=str(out), contexts=[8192], budget_s=150, python="/py", runner=fake, scratch=tmp_path)
+    data = json.loads(out.read_text())
+    attempts = data["layer_fit"]["attempts"]
+    assert [(a["layers"], a["oom"], a.get("skipped")) for a in attempts] == [
+        (36, True, None), (30, False, "the budget left holds no further launch")]
+    assert len([c for c in fake.commands if "--prepare-data" not in c]) == 1
+    assert data["rows"][0]["status"] == "oom" and "out of memory" in data["rows"][0]["reason"]
+    assert "36: OOM, 30: skipped" in gpu_results.render_summary(tmp_path)
+
+
+def test_resume_check_is_skipped_when_the_budget_cannot_hold_its_two_launches(tmp_path, monkeypatch):
+    """Two launches of 2 x startup + 4 measured steps (~137 s here) do not fit 120 s: a recorded skip, not a
+    launch killed at the limit (failed on the code before: it started them with 120 s left)."""
+    clock = _fake_clock(monkeypatch)
+    out = tmp_path / "trainer.json"
+    fake = FakeLauncher(fits=36, clock=clock, launch_s=30.0)
+    bt.run(out=str(out), contexts=[8192], budget_s=150, python="/py", runner=fake, scratch=tmp_path,
+           free_bytes=lambda: 10**15)
+    data = json.loads(out.read_text())
+    res = data["rows"][0]["resume"]
+    assert res["status"] == "skipped" and "budget spent (120 s left" in res["reason"] and "--budget trainer" in res["reason"]
+    assert len([c for c in fake.commands if "--prepare-data" not in c]) == 1 and data["status"] == "ok"
 
 
 # ---- the balance phase ------------------------------------------------------------------------------------
@@ -422,7 +617,7 @@ def test_balance_phase_records_a_timeout(tmp_path):
 def test_runner_builds_the_phase_commands(tmp_path):
     cmd = gpu_check.phase_command("/py", "trainer", tmp_path, 240.0, gpu_check.FULL)
     assert cmd[1] == str(GPU_DIR / "bench_trainer.py") and _arg(cmd, "--out") == str(tmp_path / "trainer.json")
-    assert _arg(cmd, "--contexts") == "8192,4096" and _arg(cmd, "--budget-s") == f"{240 - gpu_check.CHILD_STARTUP_S:.0f}"
+    assert _arg(cmd, "--contexts") == "8192" and _arg(cmd, "--budget-s") == f"{240 - gpu_check.CHILD_STARTUP_S:.0f}"
     cmd = gpu_check.phase_command("/py", "balance", tmp_path, 90.0, gpu_check.QUICK)
     assert cmd[1] == str(GPU_DIR / "bench_balance.py") and _arg(cmd, "--out") == str(tmp_path / "pipeline_balance_gpu.json")
     with pytest.raises(ValueError):

@@ -9,7 +9,7 @@ subprocess with its own time limit, so one slow phase cannot eat the whole windo
 what they tell: first the cheap diagnoses that pin a failure on one instruction or one kernel,
 each in a fresh process that writes its result before the next starts (a fault poisons only the
 CUDA context of its own process), then tests and the kernel benchmark (its cross-checks), then the
-long-context measurements of the 8B recipe (issue 37: Qwen3-8B at 32K on an 80 GB GPU), which get
+long-context measurements of the 8B recipe (Qwen3-8B at 32K on an 80 GB GPU), which get
 what is left:
 
   install     what the check needs from requirements/gpu.txt (torch with CUDA, deepspeed,

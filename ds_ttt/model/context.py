@@ -116,6 +116,16 @@ class ContextPolicy:
         is laid out)."""
         return slot == 0 or (self.rounds_are_segments and prompt_slots is not None and slot == prompt_slots)
 
+    def may_see_event(self, start: int, round_id: int, event_end: int, event_round: int) -> bool:
+        """May a query at positions start.. of round `round_id` see any token of an earlier event (one
+        round: positions < event_end, round `event_round`)? The event loop keeps its KV cache as
+        per-event chunks and hands an event only the chunks this allows; `select` then trims exactly."""
+        if self.kind == "window":
+            return event_end - 1 > start - self.window
+        if self.kind == "current_round":
+            return event_round in (0, round_id)
+        return True
+
     def mask(self, rounds_BT: torch.Tensor) -> torch.Tensor | None:
         """Boolean [B, 1, T, T] mask (True = may attend) for a right-padded batch, or None for plain causal.
 

@@ -40,12 +40,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
 from ds_ttt.config import TTTConfig
 from ds_ttt.data.token_kind import TokenKind
 from ds_ttt.model.context import ContextPolicy, LayerCache
-from ds_ttt.model.fast_weights import FastWeights, inner_loop_weights, inner_update
+from ds_ttt.model.event_checkpoint import EventFunction, EventRun, FastWeightChain, StepOut
+from ds_ttt.model.fast_weights import (FactorTaps, FastWeights, inner_loop_weights, inner_update,
+                                       trainable_fast_weights)
 from ds_ttt.model.forward import EventCache, forward_chunk, uses_key_state
 
 
@@ -185,6 +185,8 @@ class _Loop:
     record: bool
     can_update: bool  # fast weights exist, updates are on and the inner lr is nonzero
     no_skip: torch.Tensor  # the 0-dim int64 "not skipped" of events without an update
+    checkpointed: bool  # each event an EventFunction (event_checkpoint.py)
+    params: list = field(default_factory=list)  # checkpointed: the trainable parameters the events read
 
 
 @dataclass
@@ -203,9 +205,10 @@ class _Totals:
 class _Carried:
     """What one event hands the next within a trajectory."""
 
-    weights: FastWeights
-    caches: list[LayerCache] | None  # None before the first event (made to match its hidden states)
+    weights: FastWeights  # W_r; checkpointed: the fast entries are the chain's stand-ins (event_checkpoint.py)
+    chunks: list[list[LayerCache]] | None  # per layer, the earlier events' keys/values a later event may see
     key_tails: list[torch.Tensor]  # the key state of each key-state layer (shift rows, address rows)
+    chain: FastWeightChain | None = None  # checkpointed: W_0 and the stored updates
 
 
 def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tensor, input_ids_BT: torch.Tensor,
@@ -213,26 +216,32 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
                    record: bool = False, fast_weights: FastWeights | None = None) -> EventLoopOutput:
     """Outer loss of a right-padded batch (rows are independent trajectories, each with its own W)."""
     device = hidden_BTC.device
-    w0 = fast_weights if fast_weights is not None else suffix.initial_fast_weights()
-    can_update = update and len(w0) > 0 and ttt.inner_lr > 0
-    if can_update:  # fp32 copies in the graph (meta-training) or fresh fp32 leaves (inference)
-        w0 = inner_loop_weights(w0, differentiable=create_graph)
+    w_init = fast_weights if fast_weights is not None else suffix.initial_fast_weights()
+    can_update = update and len(w_init) > 0 and ttt.inner_lr > 0
+    fast = trainable_fast_weights(ttt.fast_matrices, len(w_init))
+    w0 = w_init
+    if can_update:  # fp32 copies of the fast matrices, in the graph (meta-training) or fresh leaves (inference)
+        w0 = inner_loop_weights(w_init, differentiable=create_graph, trainable=fast)
     # The one host copy of the batch's metadata: every event boundary, label position and count below
     # is computed from it, so the events themselves never wait for the device.
     kinds_host_BT, rounds_host_BT = kinds_BT.cpu(), rounds_BT.cpu()
     totals = _Totals(action_loss=hidden_BTC.new_zeros((), dtype=torch.float32),
                      obs_loss=hidden_BTC.new_zeros((), dtype=torch.float32),
                      skipped=torch.zeros((), dtype=torch.int64, device=device))
+    checkpointed = bool(ttt.checkpoint_events and create_graph and torch.is_grad_enabled() and not record)
     loop = _Loop(suffix=suffix, ttt=ttt, policy=ContextPolicy.from_ttt(ttt), create_graph=create_graph, record=record,
-                 can_update=can_update, no_skip=torch.zeros((), dtype=torch.int64, device=device))
+                 can_update=can_update, no_skip=torch.zeros((), dtype=torch.int64, device=device),
+                 checkpointed=checkpointed, params=_trainable_parameters(suffix) if checkpointed else [])
     all_records, finals = [], []
     for b in range(hidden_BTC.shape[0]):
         n = int((kinds_host_BT[b] != TokenKind.PAD).sum())
         rounds_h = rounds_host_BT[b, :n]
         plans = _plan_events(b, kinds_host_BT[b, :n], rounds_h, record=record, with_end=ttt.obs_loss_with_end)
         labels = input_ids_BT[b, 1:n]
-        carried = _Carried(weights=w0, caches=None, key_tails=[
-            layer.prime_mlp.empty_key_state(1, hidden_BTC) for layer in suffix.layers if uses_key_state(layer)])
+        carried = _Carried(weights=w0, chunks=[[] for _ in suffix.layers], key_tails=[
+            layer.prime_mlp.empty_key_state(1, hidden_BTC) for layer in suffix.layers if uses_key_state(layer)],
+            chain=FastWeightChain(w_init, fast if can_update else (False,) * len(w_init), ttt.inner_lr)
+            if checkpointed else None)
         records = []
         for plan in plans:
             carried, rec = _run_event(loop, plan, carried, hidden_BTC[b:b + 1, plan.start:plan.end], labels,
@@ -240,7 +249,11 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
             if rec is not None:
                 records.append(rec)
         all_records.append(records)
-        finals.append(tuple(w.detach() for w in carried.weights))
+        if carried.chain is not None:  # the chain's W_E goes to the output only: the backward rebuilds what it needs
+            final, carried.chain.current = carried.chain.current, ()
+        else:
+            final = carried.weights
+        finals.append(tuple(w.detach() for w in final))
 
     loss = totals.action_loss / max(totals.num_action, 1)
     if ttt.obs_loss_weight > 0:
@@ -264,15 +277,28 @@ def _run_event(loop: _Loop, plan: _EventPlan, carried: _Carried, h_event: torch.
     act_mask = plan.act_mask_h.to(device, non_blocking=True)
     obs_mask = plan.obs_mask_h.to(device, non_blocking=True)
     positions = torch.arange(start, end, device=device)[None]
-    caches = carried.caches if carried.caches is not None else [_empty_cache(layer, h_event) for layer in suffix.layers]
-    # Prune the caches to what this event may see (outside the checkpointed step: the
-    # kept keys/values are its tensor inputs, positions/rounds are plain host metadata).
-    kept = [policy.select(c, start, round_id)[0] for c in caches]
-    weights = carried.weights
+    # The earlier events' keys/values this event may see, per layer, as they were stored (one chunk per
+    # event: nothing is re-copied per event; the step concatenates them, and EventCache's `select`
+    # trims them exactly). Chosen from host metadata, outside the step.
+    visible = [[c for c in chunks if policy.may_see_event(start, round_id, int(c.positions_S[-1]) + 1,
+                                                          int(c.rounds_S[0]))] for chunks in carried.chunks]
+
+    def caches_of(kvs) -> list[LayerCache]:
+        out, i = [], 0
+        for layer, chunks in zip(suffix.layers, visible):
+            ks, vs = kvs[i:i + 2 * len(chunks):2], kvs[i + 1:i + 2 * len(chunks):2]
+            i += 2 * len(chunks)
+            if not chunks:
+                out.append(_empty_cache(layer, h_event))
+            elif len(chunks) == 1:
+                out.append(LayerCache(ks[0], vs[0], chunks[0].positions_S, chunks[0].rounds_S))
+            else:
+                out.append(LayerCache(torch.cat(ks, 2), torch.cat(vs, 2), torch.cat([c.positions_S for c in chunks]),
+                                      torch.cat([c.rounds_S for c in chunks])))
+        return out
 
     def score(h, ws, kvs, tails, in_graph=act_mask | obs_mask):
-        cs = [LayerCache(kvs[2 * i], kvs[2 * i + 1], c.positions_S, c.rounds_S) for i, c in enumerate(kept)]
-        cache = EventCache(cs, start, round_id, policy, ttt.attention_backend)
+        cache = EventCache(caches_of(kvs), start, round_id, policy, ttt.attention_backend)
         out = forward_chunk(suffix.layers, h, suffix.rotary_emb(h, positions), cache, fast_weights=ws, key_prev=tails)
         nll, logits = _nll(suffix, out.hidden_BTC, local, tgt, in_graph=in_graph if loop.record else None)
         # the inner loss's weights: the observation labels, each at its write rate when the model has one
@@ -280,60 +306,87 @@ def _run_event(loop: _Loop, plan: _EventPlan, carried: _Carried, h_event: torch.
         inner_w = obs_mask if rate is None else obs_mask * rate[0, local]
         return nll, logits, [t for _, k, v in cache.outs for t in (k, v)], out.key_last, inner_w
 
-    def step(h, *flat, nw=len(weights), nkv=2 * len(kept)):
-        ws, kvs, tails = tuple(flat[:nw]), flat[nw:nw + nkv], flat[nw + nkv:]
-        nll, logits, new_kv, key_last, inner_w = score(h, ws, kvs, tails)
+    def step(h, ws, kvs, tails, differentiable: bool, values: bool = True) -> StepOut:
+        # The inner gradient is dL_obs/dW through this event's own forward, the earlier events' keys,
+        # values and key state held fixed, as a deployed agent computes it (its cache is constants). An
+        # alias of W per event makes autograd.grad count only the paths through this event even where W
+        # also computed an earlier event's cache (W_0 computes round 0's); the outer loss still reaches
+        # W through every path.
+        ws = tuple(w.view_as(w) if w.requires_grad else w for w in ws)
+        # checkpointed: the inner gradient in factors, which the chain may store instead of the matrix
+        taps = FactorTaps(ws) if loop.checkpointed and do_update else None
+        with taps or contextlib.nullcontext():
+            nll, logits, new_kv, key_last, inner_w = score(h, ws, kvs, tails)
         act_sum, obs_sum = (nll * act_mask).sum(), (nll * obs_mask).sum()
-        new_ws, skipped = ws, loop.no_skip
+        new_ws, skipped, updates = ws, loop.no_skip, []
         if do_update:
             inner_sum = obs_sum if inner_w is obs_mask else (nll * inner_w).sum()
-            res = inner_update(inner_sum, plan.num_obs, ws, ttt, create_graph=create_graph)
+            res = inner_update(inner_sum, plan.num_obs, ws, ttt, create_graph=differentiable, grad_dtype=h.dtype,
+                               taps=taps, values=values or ttt.inner_steps > 1)
+            updates.append(res)
             skip_any = res.skipped
             for _ in range(1, ttt.inner_steps):  # further steps re-score the observation with W'
-                again = score(h, res.weights, kvs, tails)
-                res = inner_update((again[0] * again[4]).sum(), plan.num_obs,
-                                   res.weights, ttt, create_graph=create_graph)
+                taps = FactorTaps(res.weights) if taps is not None else None
+                with taps or contextlib.nullcontext():
+                    again = score(h, res.weights, kvs, tails)
+                res = inner_update((again[0] * again[4]).sum(), plan.num_obs, res.weights, ttt,
+                                   create_graph=differentiable, grad_dtype=h.dtype, taps=taps,
+                                   values=values or _ + 1 < ttt.inner_steps)
+                updates.append(res)
                 skip_any = skip_any | res.skipped
             new_ws, skipped = res.weights, skip_any.to(torch.int64)
         extra = (nll.detach(), logits.detach().argmax(-1)) if loop.record else ()
-        return (*new_ws, *new_kv, *key_last, act_sum, obs_sum, skipped, *extra)
+        return StepOut(weights=new_ws, updates=updates, new_kv=new_kv, key_last=key_last, act_sum=act_sum,
+                       obs_sum=obs_sum, skipped=skipped, extras=extra)
 
     # the key history entering this event: the last event's, or none at a round boundary the
     # context policy closes (current_round: no key sees an earlier round)
     tails_in = ([torch.zeros_like(t) for t in carried.key_tails] if policy.rounds_are_segments
                 else carried.key_tails)
-    flat_in = [t for c in kept for t in (c.k_1HSD, c.v_1HSD)]
+    flat_in = [t for chunks in visible for c in chunks for t in (c.k_1HSD, c.v_1HSD)]
     if not create_graph:
         h_event = h_event.detach()
         tails_in = [t.detach() for t in tails_in]
-    if ttt.checkpoint_events and create_graph and torch.is_grad_enabled():
-        out = checkpoint(step, h_event, *weights, *flat_in, *tails_in, use_reentrant=False)
+    chain = carried.chain
+    if chain is not None:
+        # one checkpointed event: nothing of its graph is kept but its inputs (event_checkpoint.py)
+        fast_in = [carried.weights[i] for i in chain.fast_index]
+        run = EventRun(step=step, chain=chain, index=len(chain.events), num_kv=len(flat_in), num_tails=len(tails_in),
+                       params=loop.params)
+        outs = EventFunction.apply(run, h_event, *fast_in, *flat_in, *tails_in, *loop.params)
+        nf = len(fast_in)
+        new_weights = list(chain.current)
+        for i, t in zip(chain.fast_index, outs[:nf]):
+            new_weights[i] = t
+        new_weights = tuple(new_weights)
+        nkv_new, nk = 2 * len(suffix.layers), len(tails_in)
+        new_kv = outs[nf:nf + nkv_new]
+        key_tails = list(outs[nf + nkv_new:nf + nkv_new + nk])
+        act_sum, obs_sum, skipped_t = outs[nf + nkv_new + nk:]
     else:
         # Inference still needs a graph from W to L_obs for the inner gradient.
         with torch.enable_grad() if do_update else contextlib.nullcontext():
-            out = step(h_event, *weights, *flat_in, *tails_in)
-    nw, nkv, nk = len(weights), 2 * len(kept), len(carried.key_tails)
-    new_weights, new_kv = tuple(out[:nw]), out[nw:nw + nkv]
-    key_tails = list(out[nw + nkv:nw + nkv + nk])
-    act_sum, obs_sum, skipped_t = out[nw + nkv + nk: nw + nkv + nk + 3]
+            out = step(h_event, carried.weights, flat_in, tails_in, create_graph)
+        new_weights, new_kv, key_tails = out.weights, out.new_kv, list(out.key_last)
+        act_sum, obs_sum, skipped_t = out.act_sum, out.obs_sum, out.skipped
     totals.skipped = totals.skipped + skipped_t
     rec = None
     if loop.record:  # evaluation reads values back per event; training never takes this branch
-        rec = _event_record(plan, out, tgt, skipped_t, do_update,
+        rec = _event_record(plan, out.extras, tgt, skipped_t, do_update,
                             rescore=lambda: score(h_event, new_weights, flat_in, tails_in)[0])
-    caches = _append_event(kept, flat_in, new_kv, plan, rounds_h, detach=not create_graph)
+    chunks = _append_event(visible, new_kv, plan, rounds_h, detach=not create_graph)
     totals.action_loss = totals.action_loss + act_sum
     totals.obs_loss = totals.obs_loss + obs_sum
     totals.num_action += int(plan.act_mask_h.sum())
     totals.num_obs += plan.num_obs
     totals.num_attempts += int(do_update)
-    return _Carried(weights=new_weights, caches=caches, key_tails=key_tails), rec
+    return _Carried(weights=new_weights, chunks=chunks, key_tails=key_tails, chain=chain), rec
 
 
-def _event_record(plan: _EventPlan, out, tgt: torch.Tensor, skipped_t: torch.Tensor, do_update: bool,
+def _event_record(plan: _EventPlan, extras, tgt: torch.Tensor, skipped_t: torch.Tensor, do_update: bool,
                   rescore) -> EventRecord:
-    """The event's EventRecord from the step's outputs (its last two: per-label NLL and argmax with the
-    pre-update W); `rescore()` gives the per-label NLL with the updated W, read for the observation."""
+    """The event's EventRecord from the step's extras (per-label NLL and argmax with the pre-update W);
+    `rescore()` gives the per-label NLL with the updated W, read for the observation."""
     skipped = bool(skipped_t)
     after = None
     if do_update and not skipped:
@@ -341,22 +394,33 @@ def _event_record(plan: _EventPlan, out, tgt: torch.Tensor, skipped_t: torch.Ten
             nll_after = rescore()
             after = nll_after[(plan.kinds_h == TokenKind.OBSERVATION).to(nll_after.device)].cpu()
     return EventRecord(round=plan.round_id, label_positions=plan.wanted_h, labels=tgt.cpu(), label_kinds=plan.kinds_h,
-                       token_nll=out[-2].cpu(), argmax=out[-1].cpu(), obs_nll_after=after,
+                       token_nll=extras[0].cpu(), argmax=extras[1].cpu(), obs_nll_after=after,
                        updated=do_update and not skipped, skipped=do_update and skipped)
 
 
-def _append_event(kept: list[LayerCache], flat_in: list[torch.Tensor], new_kv, plan: _EventPlan,
-                  rounds_h: torch.Tensor, *, detach: bool) -> list[LayerCache]:
-    """Each layer's cache for the next event: what this event saw plus this event's keys/values (step 4)."""
-    caches = []
-    for i, c in enumerate(kept):
+def _append_event(visible: list[list[LayerCache]], new_kv, plan: _EventPlan, rounds_h: torch.Tensor, *,
+                  detach: bool) -> list[list[LayerCache]]:
+    """Each layer's chunks for the next event (step 4): the chunks this event could see (a later event
+    sees a subset of them under every policy) and this event's keys/values as one more chunk."""
+    chunks = []
+    for i, layer_chunks in enumerate(visible):
         k, v = new_kv[2 * i], new_kv[2 * i + 1]
-        kk, vv = flat_in[2 * i], flat_in[2 * i + 1]
         if detach:
             k, v = k.detach(), v.detach()
-        caches.append(LayerCache(kk, vv, c.positions_S, c.rounds_S).append(
-            k, v, torch.arange(plan.start, plan.end), rounds_h[plan.start:plan.end]))
-    return caches
+        chunks.append(layer_chunks + [LayerCache(k, v, torch.arange(plan.start, plan.end),
+                                                 rounds_h[plan.start:plan.end])])
+    return chunks
+
+
+def _trainable_parameters(suffix: SuffixModules) -> list[torch.Tensor]:
+    """Every parameter an event reads that requires grad, once each (a tied LM head is the embedding)."""
+    seen, out = set(), []
+    for module in (*suffix.layers, suffix.norm, suffix.lm_head, suffix.rotary_emb):
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
 
 
 def _empty_cache(layer, h_1TC) -> LayerCache:

@@ -67,6 +67,7 @@ address rows).
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -83,16 +84,23 @@ def fast_weight_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def inner_loop_weights(weights: FastWeights, *, differentiable: bool) -> FastWeights:
+def inner_loop_weights(weights: FastWeights, *, differentiable: bool,
+                       trainable: tuple[bool, ...] | None = None) -> FastWeights:
     """Per-trajectory fp32 (at least) copies of W_0 for the inner loop, ready for `torch.autograd.grad`.
 
     differentiable=True (meta-training): a differentiable cast, so the meta-gradient reaches the
     (bf16) W_0 parameters; an fp32 W_0 that requires grad is used as is. Otherwise (evaluation,
     serving): detached leaf copies that require grad only for the inner gradient.
+    trainable: which entries the inner step updates (None = all; see `trainable_fast_weights`). The
+    others are returned as they are (W_0 in the compute dtype): nothing is cast, copied or multiplied
+    for a matrix that is not fast, and the prime MLP uses it with one plain matmul.
     """
+    trainable = trainable or (True,) * len(weights)
     out = []
-    for w in weights:
-        if differentiable and w.requires_grad:
+    for w, fast in zip(weights, trainable):
+        if not fast:
+            out.append(w if differentiable else w.detach())
+        elif differentiable and w.requires_grad:
             out.append(w.to(fast_weight_dtype(w.dtype)))
         else:
             out.append(w.detach().to(fast_weight_dtype(w.dtype), copy=True).requires_grad_(True))
@@ -121,6 +129,55 @@ def split_linear(x: torch.Tensor, w0: torch.Tensor, w: torch.Tensor) -> torch.Te
     delta = (w - w0.to(w.dtype)).to(x.dtype)
     acc = fast_weight_dtype(x.dtype)
     return (F.linear(x, w0).to(acc) + linear(x, delta).to(acc)).to(x.dtype)
+
+
+def fast_linear(x: torch.Tensor, w0: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T: `split_linear` for a high-precision fast W, one plain matmul for a W in x's dtype (W_0
+    itself, or a model computing in W's dtype). Records (x, x W^T) when a FactorTaps is listening for W."""
+    y = linear(x, w) if w.dtype == x.dtype else split_linear(x, w0, w)
+    taps = _LISTENING.get()
+    if taps is not None:
+        taps.record(w, x, y)
+    return y
+
+
+class FactorTaps:
+    """The inputs and outputs of the fast matrices in one forward, for the inner gradient in factors.
+
+    For y = x W^T over n tokens, dL/dW = (dL/dy)^T x: the product of an [n, out] and an [n, in]
+    factor. A checkpointed event stores an update as these two factors whenever they are smaller than
+    the matrix (n (in + out) < in x out: rounds shorter than 410 tokens for hidden 512 / width 2048,
+    3,072 for Qwen3-8B's 4096 / 12288), and rebuilds the gradient from them (event_checkpoint.py).
+    In a bf16 model dL/dy is the bf16 gradient of the bf16 output of `split_linear`'s delta branch
+    (the casts around it are exact both ways), x the bf16 input: both are exact in bf16.
+
+        with FactorTaps(ws) as taps: out = forward(...)      # taps.pairs[i] = (x, y) of ws[i]
+    """
+
+    def __init__(self, weights: FastWeights):
+        self._slot = {id(w): i for i, w in enumerate(weights)}
+        self.pairs: list = [None] * len(weights)
+        self._token = None
+
+    def record(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        i = self._slot.get(id(w))
+        if i is not None:
+            self.pairs[i] = (x, y)
+
+    def __enter__(self) -> "FactorTaps":
+        self._token = _LISTENING.set(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _LISTENING.reset(self._token)
+
+
+_LISTENING: contextvars.ContextVar[FactorTaps | None] = contextvars.ContextVar("ds_ttt_factor_taps", default=None)
+
+
+def factor_product(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(dL/dy)^T x of a linear y = x W^T: [..., n, out] and [..., n, in] -> [out, in], in their dtype."""
+    return dy.reshape(-1, dy.shape[-1]).transpose(0, 1) @ x.reshape(-1, x.shape[-1])
 
 
 @dataclass
@@ -288,13 +345,12 @@ class PrimeMLP(nn.Module):
     def forward(self, x: torch.Tensor, weights: FastWeights | None = None) -> torch.Tensor:
         if weights is None:
             return prime_mlp(x, *self.initial_weights())
-        if all(w.dtype == x.dtype for w in weights):
-            return prime_mlp(x, *weights)
-        # fp32 fast weights in a low-precision model (see the module docstring)
+        # fp32 fast weights in a low-precision model take split_linear (see the module docstring); a
+        # matrix in the compute dtype (not fast: W_0 itself; or an fp32 model) one plain matmul
         gate0, up0, down0 = self.initial_weights()
         gate, up, down = weights
-        h = F.silu(split_linear(x, gate0, gate)) * split_linear(x, up0, up)
-        return split_linear(h, down0, down)
+        h = F.silu(fast_linear(x, gate0, gate)) * fast_linear(x, up0, up)
+        return fast_linear(h, down0, down)
 
 
 @dataclass
@@ -302,11 +358,37 @@ class InnerStepResult:
     weights: FastWeights
     grad_norm: torch.Tensor  # detached scalar (pre-clip global norm)
     skipped: torch.Tensor  # 0-dim bool on the weights' device: the gradient was non-finite, W' = W
+    # the update itself, W' = apply_update(W, grads, coefs, lr): per weight the gradient with a
+    # non-finite one zeroed (None for a weight the step does not update) and its clip factor
+    # (None without clipping); what a checkpointed event stores to rebuild W' (event_checkpoint.py)
+    grads: tuple[torch.Tensor | None, ...] = ()
+    coefs: tuple[torch.Tensor | None, ...] = ()
+    # with `taps`: per updated weight the gradient's factors (dL/dy, x), detached (FactorTaps)
+    factors: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = ()
+
+
+def apply_update(w: torch.Tensor, g: torch.Tensor | None, coef: torch.Tensor | None, lr: float) -> torch.Tensor:
+    """W' = W - lr * (g * coef) in W's dtype, outside autograd: the one definition of the write, shared by
+    the inner step (ClippedSGD) and by the rebuild of a checkpointed event's weights (event_checkpoint.py),
+    so both round alike, bit for bit."""
+    if g is None:
+        return w
+    return _write_into(g.to(w.dtype, copy=True), w, coef, lr)
+
+
+def _write_into(u: torch.Tensor, w: torch.Tensor, coef: torch.Tensor | None, lr: float) -> torch.Tensor:
+    """W - lr * (u * coef), computed in u's own storage (u is consumed): one W-sized buffer, not three.
+    The same elementwise operations in the same order as `w - lr * (u * coef)`, so the same bits."""
+    if coef is not None:
+        u.mul_(coef.to(u.dtype))
+    return u.mul_(lr).neg_().add_(w)
 
 
 def inner_sgd_step(loss: torch.Tensor, weights: FastWeights, *, lr: float, max_norm: float,
                    create_graph: bool, per_matrix: bool = False,
-                   trainable: tuple[bool, ...] | None = None, first_order: bool = False) -> InnerStepResult:
+                   trainable: tuple[bool, ...] | None = None, first_order: bool = False,
+                   grad_dtype: torch.dtype | None = None, taps: FactorTaps | None = None,
+                   values: bool = True) -> InnerStepResult:
     """One clipped SGD step on the fast weights; differentiable when create_graph=True; no host sync.
 
     The update is computed in the weights' dtype (fp32 for `inner_loop_weights`). A non-finite
@@ -318,32 +400,148 @@ def inner_sgd_step(loss: torch.Tensor, weights: FastWeights, *, lr: float, max_n
     grad_norm is the pre-clip global norm over the updated weights either way.
     first_order (with create_graph): W' stays differentiable in W, but the gradient (and its clip) is a
     constant: the graph of `loss` is kept for the outer loss, never differentiated through the step.
+    grad_dtype: the dtype the gradient is exact in and kept in for the backward (`ClippedSGD`): the
+    compute dtype of a low-precision model, whose fast weights enter only as a compute-dtype delta
+    (`split_linear`), so their gradient is a compute-dtype tensor cast up. None: the gradient's dtype.
+    taps: the forward's FactorTaps: the gradient is taken as (dL/dy)^T x and its factors are returned.
+    values=False: W' is wanted for its graph only (a checkpointed event's recompute, whose W' only
+    receives the later events' gradient): W' are zero-storage stand-ins, no W-sized buffer is written.
     """
     trainable = trainable or (True,) * len(weights)
     wanted = [w for w, t in zip(weights, trainable) if t]
-    with torch.enable_grad():
-        got = torch.autograd.grad(loss, wanted, create_graph=create_graph and not first_order,
-                                  retain_graph=create_graph, allow_unused=True)
-    got = iter(torch.zeros_like(w) if g is None else g for g, w in zip(got, wanted))
-    grads = tuple(next(got) if t else None for t in trainable)
-    acc = fast_weight_dtype(wanted[0].dtype)  # fp32 at least (bf16 weights), fp64 in tests
-    norms = [torch.linalg.vector_norm(g.to(acc)) for g in grads if g is not None]
-    norm = torch.linalg.vector_norm(torch.stack(norms))
-    finite = torch.isfinite(norm)
-    safe = (lambda n: torch.where(finite, n, torch.zeros_like(n)))
-    grads = tuple(None if g is None else torch.where(finite, g, torch.zeros_like(g)) for g in grads)
-    if max_norm > 0:
-        if per_matrix:
-            it = iter(norms)
-            coefs = [None if g is None else torch.clamp(max_norm / (safe(next(it)) + 1e-6), max=1.0) for g in grads]
-        else:
-            coef = torch.clamp(max_norm / (safe(norm) + 1e-6), max=1.0)
-            coefs = [coef] * len(grads)
-        grads = tuple(None if g is None else g * c.to(g.dtype) for g, c in zip(grads, coefs))
-    new = tuple(w if g is None else w - lr * g.to(w.dtype) for w, g in zip(weights, grads))
+    differentiable = create_graph and not first_order
+    factors: list = []
+    if taps is None:
+        with torch.enable_grad():
+            got = torch.autograd.grad(loss, wanted, create_graph=differentiable, retain_graph=create_graph,
+                                      allow_unused=True)
+    else:  # dL/dW = (dL/dy)^T x from the recorded (x, y) of each fast matrix (FactorTaps)
+        pairs = [p for p, t in zip(taps.pairs, trainable) if t]
+        if any(p is None for p in pairs):
+            raise RuntimeError("FactorTaps: a fast matrix was not used in the forward it listened to")
+        with torch.enable_grad():
+            dys = torch.autograd.grad(loss, [y for _, y in pairs], create_graph=differentiable,
+                                      retain_graph=create_graph, allow_unused=True)
+        got = []
+        for (x, y), dy, w in zip(pairs, dys, wanted):
+            dy = torch.zeros_like(y) if dy is None else dy
+            with torch.set_grad_enabled(differentiable):
+                got.append(factor_product(dy, x if differentiable else x.detach()).to(w.dtype))
+            factors.append((dy.detach(), x.detach()))
+    gs = [torch.zeros_like(w) if g is None else g for g, w in zip(got, wanted)]
+    spec = _ClipSpec(lr=lr, max_norm=max_norm, per_matrix=per_matrix, save_dtype=grad_dtype or gs[0].dtype,
+                     values=values)
+    new_fast = iter(ClippedSGD.apply(spec, *wanted, *gs))
+    new = tuple(next(new_fast) if t else w for w, t in zip(weights, trainable))
     if not create_graph:
-        new = tuple(w.detach().requires_grad_(True) for w in new)
-    return InnerStepResult(weights=new, grad_norm=norm.detach(), skipped=~finite.detach())
+        new = tuple(w.detach().requires_grad_(True) if t else w for w, t in zip(new, trainable))
+    kept, coefs, fs = iter(spec.kept), iter(spec.coefs), iter(factors)
+    return InnerStepResult(weights=new, grad_norm=spec.norm, skipped=~spec.finite,
+                           grads=tuple(next(kept) if t else None for t in trainable),
+                           coefs=tuple(next(coefs) if t else None for t in trainable),
+                           factors=tuple(next(fs) if t else None for t in trainable) if factors else ())
+
+
+@dataclass
+class _ClipSpec:
+    """ClippedSGD's settings in, and its detached side results out (norm, finite, kept g, clip factors)."""
+
+    lr: float
+    max_norm: float
+    per_matrix: bool
+    save_dtype: torch.dtype
+    values: bool = True  # False: return zero-storage stand-ins for W' (its graph is all that is needed)
+    norm: torch.Tensor | None = None
+    finite: torch.Tensor | None = None
+    kept: list = None
+    coefs: list = None
+
+
+class ClippedSGD(torch.autograd.Function):
+    """W'_i = W_i - lr * c_i * where(finite, g_i, 0): the clipped write, saving only g in the dtype it is
+    exact in (`_ClipSpec.save_dtype`, bf16 for a bf16 model) and scalars.
+
+    Forward, with n_i = ||g_i|| and n = ||(n_1, n_2, ...)|| (fp32 at least), finite = isfinite(n):
+        global clip  c = min(1, M / (n + eps))         per-matrix clip  c_i = min(1, M / (n_i + eps))
+        (n replaced by 0 when not finite, so c = 1 and the zeroed g writes nothing; no clip: c = 1)
+    Backward, given a_i = dL/dW'_i (m = finite as 0/1):
+        dL/dW_i = a_i
+        dL/dg_j = -lr m (c a_j + (sum_i <a_i, g_i>) c'(n) g_j / n)     global
+        dL/dg_j = -lr m (c_j a_j + <a_j, g_j> c'(n_j) g_j / n_j)       per matrix
+        c'(x) = -M / (x + eps)^2 where M / (x + eps) <= 1 (the clip binds; clamp's own rule), else 0.
+    Autograd's graph of the same expression keeps g and where(finite, g, 0) in fp32 (two fp32 copies of
+    every fast matrix per update); this keeps one in the compute dtype. The backward is not itself
+    differentiated (the meta-gradient differentiates the inner loss twice, this step once).
+    """
+
+    @staticmethod
+    def forward(ctx, spec: _ClipSpec, *tensors):
+        k = len(tensors) // 2
+        ws, gs = tensors[:k], tensors[k:]
+        acc = fast_weight_dtype(ws[0].dtype)  # fp32 at least (bf16 weights), fp64 in tests
+        norms = [torch.linalg.vector_norm(g.to(acc)) for g in gs]
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+        finite = torch.isfinite(norm)
+        safe = (lambda n: torch.where(finite, n, torch.zeros_like(n)))
+        coefs: list = [None] * k
+        if spec.max_norm > 0:
+            if spec.per_matrix:
+                coefs = [torch.clamp(spec.max_norm / (safe(n) + 1e-6), max=1.0) for n in norms]
+            else:
+                coefs = [torch.clamp(spec.max_norm / (safe(norm) + 1e-6), max=1.0)] * k
+        spec.kept, new = [], []
+        for w, g, c in zip(ws, gs, coefs):
+            kept = torch.where(finite, g, 0.0).to(w.dtype)  # a fresh buffer: the write below consumes it
+            spec.kept.append(kept.to(spec.save_dtype, copy=True))
+            new.append(_write_into(kept, w, c, spec.lr) if spec.values else w.new_zeros(()).expand(w.shape))
+        spec.norm, spec.finite, spec.coefs = norm.detach(), finite.detach(), coefs
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*spec.kept, safe(norm), *[safe(n) for n in norms], finite)
+        return tuple(new)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        spec = ctx.spec
+        k = len(grads)
+        saved = ctx.saved_tensors
+        kept, norm, norms, finite = saved[:k], saved[k], saved[k + 1:2 * k + 1], saved[-1]
+        wants_g = ctx.needs_input_grad[1 + k:]
+        if not any(wants_g):
+            return (None, *grads, *([None] * k))
+        acc = norm.dtype
+        m = finite.to(acc)
+        dgs: list = [None] * k
+        # each dL/dg_j built in one fresh buffer (in-place arithmetic): at most one temporary at a time
+        if spec.max_norm <= 0:
+            dgs = [None if a is None else a.to(acc, copy=True).mul_(-spec.lr * m) for a in grads]
+        else:
+            def clip(n):
+                x = spec.max_norm / (n + 1e-6)
+                return torch.clamp(x, max=1.0), torch.where(x <= 1.0, -spec.max_norm / (n + 1e-6) ** 2, torch.zeros_like(n))
+
+            def dot(a, g):
+                return torch.zeros((), dtype=acc, device=g.device) if a is None else torch.dot(a.reshape(-1).to(acc), g.reshape(-1).to(acc))
+
+            def combine(a, g, c, scale):  # -lr m (c a + scale g)
+                dg = g.to(acc, copy=True).mul_(scale)
+                if a is not None:
+                    dg.add_(a.to(acc) * c) if a.dtype != acc else dg.addcmul_(a, c)
+                return dg.mul_(-spec.lr * m)
+
+            if spec.per_matrix:
+                for j, (a, g, n) in enumerate(zip(grads, kept, norms)):
+                    if a is None:
+                        continue
+                    c, dc = clip(n)
+                    dgs[j] = combine(a, g, c, torch.where(n > 0, dot(a, g) * dc / n, torch.zeros_like(n)))
+            elif any(a is not None for a in grads):
+                c, dc = clip(norm)
+                total = sum(dot(a, g) for a, g in zip(grads, kept))
+                scale = torch.where(norm > 0, total * dc / norm, torch.zeros_like(norm))
+                dgs = [combine(a, g, c, scale) for a, g in zip(grads, kept)]
+        return (None, *grads, *[None if not want or d is None else d for d, want in zip(dgs, wants_g)])
 
 
 def trainable_fast_weights(fast_matrices: str, num_weights: int) -> tuple[bool, ...]:
@@ -356,10 +554,12 @@ def trainable_fast_weights(fast_matrices: str, num_weights: int) -> tuple[bool, 
 
 
 def inner_update(obs_loss_sum: torch.Tensor, num_obs: int, weights: FastWeights, ttt, *,
-                 create_graph: bool) -> InnerStepResult:
+                 create_graph: bool, grad_dtype: torch.dtype | None = None,
+                 taps: FactorTaps | None = None, values: bool = True) -> InnerStepResult:
     """One inner step as `ttt` configures it (loss reduction, clip, fast matrices): the one place the
     event loop and serving turn an observation's summed NLL into W' (so both compute the same step)."""
     loss = obs_loss_sum if ttt.inner_loss == "sum" else obs_loss_sum / num_obs
     return inner_sgd_step(loss, weights, lr=ttt.inner_lr, max_norm=ttt.inner_max_norm, create_graph=create_graph,
+                          grad_dtype=grad_dtype, taps=taps, values=values,
                           per_matrix=ttt.inner_clip == "per_matrix",
                           trainable=trainable_fast_weights(ttt.fast_matrices, len(weights)), first_order=ttt.first_order)

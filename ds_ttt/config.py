@@ -35,7 +35,8 @@ class TTTConfig:
     context_policy: what attention may see ("full" up to capacity, "window" of `window` tokens,
         "current_round" = the task prompt (round 0) plus the current round). Beyond it, only W carries
         information. The same policy holds in training, evaluation and serving.
-    checkpoint_events: wrap each event step of the inner loop in non-reentrant activation checkpointing.
+    checkpoint_events: checkpoint the inner loop event by event while meta-training: each event keeps only its
+        update and is recomputed in the backward (ds_ttt/model/event_checkpoint.py).
     attention_backend: attention of the adaptive layers (must be twice differentiable).
     trainable_scope: which backbone parameters the outer optimizer trains besides the prime MLPs:
         "prime" (none: prime MLPs + their norms only), "suffix" (the adaptive layers, final norm and LM

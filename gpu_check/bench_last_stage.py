@@ -31,7 +31,8 @@ when the time left holds fewer (at least one; `repeats_run` says how many).
 Measured per (backend, T): wall time of the step (CUDA-synchronised, min over the repeats after one
 untimed warm-up step per backend at its first T), tokens/s = T / step time, peak allocated and peak
 reserved memory (torch.cuda.max_memory_allocated / max_memory_reserved over the timed steps,
-absolute, weights included), whether that reserved peak fits an 80 GB GPU (FITS_80GB_GIB), the loss,
+absolute, weights included) beside the trainer's pre-flight estimate of it (`estimate_gib`,
+ds_ttt/train/memory_budget.py), whether that reserved peak fits an 80 GB GPU (FITS_80GB_GIB), the loss,
 and checks: finite loss, finite non-zero input gradient, finite prime gradients, one inner update
 per observed round. At the smallest T the backends are compared (loss and the input gradient's
 cosine) as a gross-error tripwire. The JSON file is rewritten after every change, so a kill keeps
@@ -76,6 +77,20 @@ FITS_80GB_GIB = 78.0
 TIME_SKIP_FACTOR = 2.0  # skip a T only when its predicted step takes more than this many times the time left
 TIME_EXPONENT = 1.5  # predicted step time ~ T^1.5 from the last measured T (linear layers + causal attention)
 LONG_STEP_S = 8.0  # a step predicted to take longer is timed once: its own length evens out the noise
+
+
+def preflight_estimate_gib(cfg, ttt, num_tokens: int, round_tokens: int) -> float | None:
+    """The trainer's pre-flight estimate (ds_ttt/train/memory_budget.py) for this stage as it is measured
+    here: the last stage alone (a later stage's weights, the hidden states in with their gradient),
+    the prime gradients and no optimizer state (the offload layout's trainable state), so that each
+    row records the measured peak beside the estimate it checks. None if the tree has no estimate."""
+    try:
+        from ds_ttt.train.memory_budget import Layout, estimate
+    except ImportError:
+        return None
+    est = estimate(cfg, ttt, tokens=num_tokens, round_tokens=round_tokens,
+                   layout=Layout(stages=2, dp=1, offload_optimizer=True))
+    return round(est.total_gib, 2)
 
 
 def recipe_ttt(path: str | Path = RECIPE, num_hidden_layers: int | None = None):
@@ -305,6 +320,7 @@ def run(*, out: str, contexts: list[int], backends: list[str] | None = None, rep
         hidden = torch.randn(1, num_tokens, cfg.hidden_size, generator=gen, device=device,
                              dtype=torch_dtype).requires_grad_(True)
         row["num_events"] = int(rounds.max()) + 1
+        row["estimate_gib"] = preflight_estimate_gib(cfg, step_ttt, num_tokens, action + observation + 4)
         try:
             if backend not in warmed:  # first call of a backend: kernel loads, cuBLAS handles, allocator
                 t0 = time.perf_counter()

@@ -42,7 +42,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ds_ttt.model.fast_weights import FastWeights, apply_update, factor_product, fast_weight_dtype
+from ds_ttt.model.fast_weights import FastWeights, factor_product, fast_weight_dtype
+from ds_ttt.model.inner_step import apply_update
 
 
 @dataclass

@@ -8,9 +8,9 @@ For each trajectory (one row of the right-padded batch) and each round r = 0, 1,
      observation tokens (inner loss L_obs) with the same W_{r-1};
   3. W_r = inner_sgd_step(L_obs, W_{r-1}) with create_graph=True, so the outer loss of every later
      action back-propagates through the update (full second order);
-  4. append the round's keys/values to the cache (they were computed with W_{r-1}, exactly as a
-     deployed agent computes them while it acts), and keep the last `key_shift` prime-MLP inputs of
-     each adaptive layer as the next round's key history (zeros instead under `current_round`).
+  4. keep the round's keys/values as one more chunk of the cache (they were computed with W_{r-1},
+     exactly as a deployed agent computes them while it acts), and keep the last `key_shift` prime-MLP
+     inputs of each adaptive layer as the next round's key history (zeros instead under `current_round`).
 With `inner_steps` k > 1, step 3 repeats k times, re-scoring the observation with each new W.
 Label position t predicts token t+1, so a position's loss kind is the kind of the *next* token.
 
@@ -22,10 +22,16 @@ values back per event.
 
 Precision: fast weights are carried in fp32 (`inner_loop_weights`, see fast_weights.py).
 
-Memory: with `checkpoint_events`, each event step runs under non-reentrant activation checkpointing,
-so the autograd graph keeps only what is carried between events (W, the KV cache, the hidden
-states entering the stage) and recomputes each event's activations during backward.
-(Reentrant checkpointing cannot contain `torch.autograd.grad`; non-reentrant can.)
+Memory: with `checkpoint_events` (while meta-training) each event is one EventFunction
+(event_checkpoint.py): its forward runs once, takes the inner gradient on its live graph and keeps
+only the update (the gradient's factors or the gradient, in the compute dtype); the fast weights pass
+between events as zero-storage stand-ins, and each event's backward rebuilds its W bit for bit and
+recomputes the event with the inner step differentiable. Keys and values stay per-event chunks (no
+re-copy per event); an event is handed only the chunks its context policy may show it.
+(docs/training.md, "Memory at long context".)
+
+The inner gradient holds the earlier events' cache fixed (an alias of W per event), as evaluation and
+serving compute it, while the outer loss reaches W through every path.
 
 Shape letters: T tokens, C hidden, H kv heads, D head dim, V vocab.
 """
@@ -44,8 +50,8 @@ from ds_ttt.config import TTTConfig
 from ds_ttt.data.token_kind import TokenKind
 from ds_ttt.model.context import ContextPolicy, LayerCache
 from ds_ttt.model.event_checkpoint import EventFunction, EventRun, FastWeightChain, StepOut
-from ds_ttt.model.fast_weights import (FactorTaps, FastWeights, inner_loop_weights, inner_update,
-                                       trainable_fast_weights)
+from ds_ttt.model.fast_weights import FactorTaps, FastWeights, inner_loop_weights
+from ds_ttt.model.inner_step import inner_update, trainable_fast_weights
 from ds_ttt.model.forward import EventCache, forward_chunk, uses_key_state
 
 

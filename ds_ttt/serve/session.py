@@ -53,7 +53,8 @@ from ds_ttt.data.render import (
     render_trajectory)
 from ds_ttt.data.token_kind import TokenKind
 from ds_ttt.model.event_loop import observation_labels
-from ds_ttt.model.fast_weights import fast_weight_dtype, inner_update
+from ds_ttt.model.fast_weights import fast_weight_dtype
+from ds_ttt.model.inner_step import inner_update
 from ds_ttt.model.forward import forward_chunk, uses_key_state
 from ds_ttt.serve.kv_cache import KVCache
 from ds_ttt.serve.session_chunk import SessionChunk

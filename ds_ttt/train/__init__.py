@@ -9,6 +9,7 @@ One concept per module:
   objective.py        the token-weighted outer objective of one step
   pipeline.py         the TTT Qwen3 as a DeepSpeed PipelineModule
   engine.py           Trainer: build, step, train (the loop)
+  memory_budget.py    the busiest rank's memory, estimated before the first step (the pre-flight check)
   resume_checks.py    what --resume and --start-stage-from refuse
   layout_move.py      --resume into another layout: the universal conversion and its load
   checkpoint.py       the atomic save/load protocol of RUN_DIR's checkpoints

@@ -41,7 +41,7 @@ from ds_ttt.model.presets import backbone_config
 from ds_ttt.train import checkpoint as ckpt
 from ds_ttt.train.atomic_io import write_json_atomic
 from ds_ttt.train.data_loader import TrajectoryBatches, collate, samples_from_manifest
-from ds_ttt.train.deepspeed_config import batch_sizes, validate_deepspeed
+from ds_ttt.train.deepspeed_config import batch_sizes, ds_dtype, validate_deepspeed
 from ds_ttt.train.layout import Layout
 from ds_ttt.train.layout_move import (Move, check_movable, check_target_zero, convert_for_move, layout_words,
                                      load_moved, with_universal_load)
@@ -64,6 +64,45 @@ def rank_device() -> str:
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+PREFLIGHT_DEVICE_GIB = "DS_TTT_PREFLIGHT_DEVICE_GIB"  # plan for a device of this size (e.g. 80 on a CPU box)
+
+
+def memory_preflight(run: RunConfig, ds: dict, backbone, layout: Layout, world: int, samples0, *, rank: int,
+                     device: str) -> None:
+    """Estimate the busiest rank's peak before anything is built (ds_ttt/train/memory_budget.py) and print
+    it; refuse, naming the context, the estimate and what would fit, when the device is smaller. The
+    data's shape (longest trajectory and round) is read from rank 0's rendered train split. CPU ranks
+    report and go on, unless DS_TTT_PREFLIGHT_DEVICE_GIB names a device to plan for."""
+    from ds_ttt.train import memory_budget
+
+    shape = memory_budget.data_shape(samples0) if rank == 0 else None
+    tokens, round_tokens = broadcast_from_rank0(shape)
+    stages = layout.num_stages
+    plan = memory_budget.layout_of(ds, stages, world // stages)
+    device_bytes = None
+    if os.environ.get(PREFLIGHT_DEVICE_GIB):
+        device_bytes = int(float(os.environ[PREFLIGHT_DEVICE_GIB]) * memory_budget.GIB)
+    elif device.startswith("cuda"):
+        device_bytes = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    rows = int(ds.get("train_micro_batch_size_per_gpu", 1))
+    est, refusal = memory_budget.preflight(backbone, run.ttt, tokens=max(tokens, 1), round_tokens=max(round_tokens, 1),
+                                           layout=plan, device_bytes=device_bytes, world=world, rows=rows,
+                                           dtype_bytes=4 if ds_dtype(ds) == "fp32" else 2)
+    if rank == 0:
+        where = (f"device {device_bytes / memory_budget.GIB:.1f} GiB" if device_bytes is not None
+                 else "CPU ranks: reported, not enforced")
+        print(f"[ds_ttt] memory pre-flight: longest trajectory {tokens} tokens, longest round {round_tokens}, "
+              f"{rows} row(s) per micro-batch, {plan.describe()}: busiest rank ~"
+              f"{memory_budget.gib_text(est.total_gib)} ({est.table()}); {where}", flush=True)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
+def resolved_deepspeed_batch(ds: dict, data_order: dict) -> dict:
+    """The DeepSpeed config with its micro-batch size resolved (the config may leave it to DeepSpeed)."""
+    return dict(ds, train_micro_batch_size_per_gpu=data_order["train_micro_batch_size_per_gpu"])
 
 
 def build_module(backbone, ttt, layout: Layout, *, seed: int, device: str) -> TTTPipelineModule:
@@ -236,6 +275,10 @@ class Trainer:
                                     tied_embeddings=bool(backbone.tie_word_embeddings))
         dp = world // layout.num_stages
         data_order = dict(zip(DATA_ORDER_KEYS, (*batch_sizes(ds, dp), dp)))
+        # rank 0 is the first stage and always loads data: render its split once, for the check and the batches
+        samples0 = samples_from_manifest(manifest, "train") if rank == 0 else None
+        memory_preflight(run, resolved_deepspeed_batch(ds, data_order), backbone, layout, world, samples0, rank=rank,
+                         device=rank_device())
         start = resolve_start(run, manifest, backbone, layout, data_order, resume=resume,
                               start_stage_from=start_stage_from)
         if start.move is not None:
@@ -261,7 +304,8 @@ class Trainer:
         params = [p for p in module.parameters() if p.requires_grad]
         engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=ds_engine)
         loads_data = engine.is_first_stage() or engine.is_last_stage()
-        batches = TrajectoryBatches(samples_from_manifest(manifest, "train") if loads_data else None,
+        samples = samples0 if samples0 is not None else samples_from_manifest(manifest, "train") if loads_data else None
+        batches = TrajectoryBatches(samples if loads_data else None,
                                     num_samples=len(manifest.ids("train")),
                                     train_batch_size=data_order["train_batch_size"],
                                     micro_batch_size=data_order["train_micro_batch_size_per_gpu"],

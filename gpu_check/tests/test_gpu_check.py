@@ -551,6 +551,12 @@ def test_last_stage_measures_the_recipe_from_2k_to_32k_and_keeps_the_short_lengt
     assert "out of memory" in data["rows"][3]["error"]
     for r in data["rows"][:3]:
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["repeats_run"] == 1 and r["checks_ok"]
+    # each measured length carries the trainer's pre-flight estimate of the same stage, growing with T
+    from ds_ttt.train.memory_budget import Layout, estimate
+    ttt = calls[0][2]
+    want = estimate(tiny_qwen3_config, ttt, tokens=8192, round_tokens=4 + 5 + 4,
+                    layout=Layout(stages=2, dp=1, offload_optimizer=True)).total_gib
+    assert data["rows"][2]["estimate_gib"] == round(want, 2) and data["rows"][3]["estimate_gib"] > want
     assert data["status"] == "ok" and all(c["ok"] for c in data["checks"])
     assert "cuda vs reference at T=2048: loss and input gradient agree" in [c["name"] for c in data["checks"]]
     cfg = data["config"]

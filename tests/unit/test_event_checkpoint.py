@@ -1,5 +1,5 @@
 """The checkpointed event loop that stores updates, not weights (ds_ttt/model/event_checkpoint.py), and
-the clipped write that saves only what its backward needs (fast_weights.ClippedSGD).
+the clipped write that saves only what its backward needs (inner_step.ClippedSGD).
 
 Run: .venv/bin/python -m pytest tests/unit/test_event_checkpoint.py
 """
@@ -17,8 +17,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ds_ttt.config import TTTConfig
 from ds_ttt.model import event_checkpoint
 from ds_ttt.model.event_checkpoint import FastWeightChain
-from ds_ttt.model.fast_weights import (ClippedSGD, _ClipSpec, apply_update, inner_loop_weights, inner_sgd_step,
-                                       trainable_fast_weights)
+from ds_ttt.model.fast_weights import inner_loop_weights
+from ds_ttt.model.inner_step import (ClippedSGD, _ClipSpec, apply_update, inner_sgd_step,
+                                     trainable_fast_weights)
 from ds_ttt.model.presets import tiny_qwen3_config
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 

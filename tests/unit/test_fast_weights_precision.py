@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ds_ttt.config import TTTConfig
-from ds_ttt.model.fast_weights import inner_loop_weights, inner_sgd_step, split_linear
+from ds_ttt.model.fast_weights import inner_loop_weights, split_linear
+from ds_ttt.model.inner_step import inner_sgd_step
 from ds_ttt.model.presets import tiny_qwen3_config
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 

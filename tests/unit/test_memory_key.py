@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ds_ttt.config import TTTConfig
-from ds_ttt.model.fast_weights import (KeyHistory, PrimeMLP, inner_sgd_step, shift_keys, split_linear,
-                                       trainable_fast_weights)
+from ds_ttt.model.fast_weights import KeyHistory, PrimeMLP, shift_keys, split_linear
+from ds_ttt.model.inner_step import inner_sgd_step, trainable_fast_weights
 from ds_ttt.model.presets import tiny_qwen3_config
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 

@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from ds_ttt.config import TTTConfig
-from ds_ttt.model.fast_weights import inner_sgd_step
+from ds_ttt.model.inner_step import inner_sgd_step
 from ds_ttt.model.hf_adapter import load_hf_qwen3
 from ds_ttt.model.presets import tiny_qwen3_config
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM

@@ -158,6 +158,13 @@ def fit(x: list[float], y: list[float]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
+def head_commit() -> str:
+    """This tree's commit, with '+dirty' when ds_ttt/ or ds_configs/ differ from it (what 'after' ran)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "ds_ttt", "ds_configs"], cwd=ROOT).returncode != 0
+    return head + ("+dirty" if dirty else "")
+
+
 def load() -> float:
     return round(os.getloadavg()[0], 2)
 
@@ -188,7 +195,7 @@ def main(argv=None) -> int:
         after_all = run_side(ROOT, dict(new_recipe, fast_matrices=old_recipe.get("fast_matrices", "all")), events,
                              "after, all fast")
     res = {"benchmark": "ttt_memory", "started": started, "load_start": load_start, "load_end": load(),
-           "seconds": round(time.perf_counter() - t0, 1), "ref": args.ref,
+           "seconds": round(time.perf_counter() - t0, 1), "ref": args.ref, "after_commit": head_commit(),
            "model": {"hidden": HIDDEN, "prime_width": WIDTH, "adaptive_layers": LAYERS, "vocab": VOCAB,
                      "dtype": "bfloat16", "attention": "reference", "round_tokens": ROUND, "prompt_tokens": PROMPT},
            "unit": "one fp32 copy of gate, up and down of every adaptive layer",
@@ -283,7 +290,7 @@ def projection(res: dict) -> dict:
 
 
 def render_md(res: dict) -> str:
-    lines = [f"# Last-stage meta-step memory, before ({res['ref']}) and after", "",
+    lines = [f"# Last-stage meta-step memory, before ({res['ref']}) and after ({res['after_commit']})", "",
              f"Run {res['started']}, {res['seconds']:.0f} s, load {res['load_start']} -> {res['load_end']}. "
              f"Model: hidden {HIDDEN}, prime width {WIDTH}, {LAYERS} adaptive layers, bf16, rounds of {ROUND} "
              f"tokens. Unit: {res['unit']} ({UNIT_BYTES / MIB:.1f} MiB). {res['method']}.", "",

@@ -143,14 +143,23 @@ class ContextPolicy:
         same_round_BTT = (rounds_BT[:, :, None] == rounds_BT[:, None, :]) | (rounds_BT[:, None, :] == 0)
         return (allowed_TT[None] & same_round_BTT)[:, None]
 
+    def keep_rows(self, positions_S: torch.Tensor, rounds_S: torch.Tensor, start: int,
+                  round_id: int) -> tuple[torch.Tensor | None, AttentionSpan]:
+        """Which cached rows (their host positions and round ids) new tokens at positions start.. of round
+        `round_id` may see (None: all of them), and the AttentionSpan for attention over kept ++ new."""
+        if self.kind == "full":
+            k_off = int(positions_S[0]) if len(positions_S) else start
+            return None, AttentionSpan(q_offset=start, k_offset=k_off, window=0)
+        if self.kind == "window":
+            keep = positions_S > start - self.window
+            kept = positions_S[keep]
+            return keep, AttentionSpan(q_offset=start, k_offset=int(kept[0]) if len(kept) else start, window=self.window)
+        keep = (rounds_S == 0) | (rounds_S == round_id)
+        return keep, AttentionSpan(q_offset=int(keep.sum()), k_offset=0, window=0)
+
     def select(self, cache: LayerCache, start: int, round_id: int) -> tuple[LayerCache, AttentionSpan]:
         """Prune `cache` for new tokens at positions start.. (all in round `round_id`)."""
-        if self.kind == "full":
-            k_off = int(cache.positions_S[0]) if len(cache) else start
-            return cache, AttentionSpan(q_offset=start, k_offset=k_off, window=0)
-        if self.kind == "window":
-            kept = cache.take(cache.positions_S > start - self.window) if len(cache) else cache
-            k_off = int(kept.positions_S[0]) if len(kept) else start
-            return kept, AttentionSpan(q_offset=start, k_offset=k_off, window=self.window)
-        kept = cache.take((cache.rounds_S == 0) | (cache.rounds_S == round_id)) if len(cache) else cache
-        return kept, AttentionSpan(q_offset=len(kept), k_offset=0, window=0)
+        keep, span = self.keep_rows(cache.positions_S, cache.rounds_S, start, round_id)
+        if keep is None or not len(cache) or bool(keep.all()):
+            return cache, span
+        return cache.take(keep), span

@@ -289,18 +289,14 @@ def _run_event(loop: _Loop, plan: _EventPlan, carried: _Carried, h_event: torch.
     visible = [[c for c in chunks if policy.may_see_event(start, round_id, int(c.positions_S[-1]) + 1,
                                                           int(c.rounds_S[0]))] for chunks in carried.chunks]
 
-    def caches_of(kvs) -> list[LayerCache]:
+    def caches_of(kvs) -> list[list[LayerCache]]:
+        """Per layer, the visible chunks with the step's own key/value tensors (EventCache concatenates
+        them once, with the event's new keys and values, inside attention)."""
         out, i = [], 0
-        for layer, chunks in zip(suffix.layers, visible):
-            ks, vs = kvs[i:i + 2 * len(chunks):2], kvs[i + 1:i + 2 * len(chunks):2]
+        for chunks in visible:
+            out.append([LayerCache(kvs[i + 2 * j], kvs[i + 2 * j + 1], c.positions_S, c.rounds_S)
+                        for j, c in enumerate(chunks)])
             i += 2 * len(chunks)
-            if not chunks:
-                out.append(_empty_cache(layer, h_event))
-            elif len(chunks) == 1:
-                out.append(LayerCache(ks[0], vs[0], chunks[0].positions_S, chunks[0].rounds_S))
-            else:
-                out.append(LayerCache(torch.cat(ks, 2), torch.cat(vs, 2), torch.cat([c.positions_S for c in chunks]),
-                                      torch.cat([c.rounds_S for c in chunks])))
         return out
 
     def score(h, ws, kvs, tails, in_graph=act_mask | obs_mask):
@@ -427,11 +423,3 @@ def _trainable_parameters(suffix: SuffixModules) -> list[torch.Tensor]:
                 seen.add(id(p))
                 out.append(p)
     return out
-
-
-def _empty_cache(layer, h_1TC) -> LayerCache:
-    """An empty cache whose keys/values live with the hidden states and whose metadata lives on the host."""
-    attn = layer.self_attn
-    kv = h_1TC.new_zeros(1, attn.config.num_key_value_heads, 0, attn.head_dim)
-    none = torch.zeros(0, dtype=torch.long)
-    return LayerCache(kv, kv, none, none)

@@ -86,12 +86,15 @@ class WholeSequence:
 
 
 class EventCache:
-    """One event's new tokens (positions start.., round `round_id`) against per-layer LayerCaches: each
-    layer's cache pruned by the policy, attention by `backend` over kept ++ new; `outs[i]` = (kept
-    cache, k_new, v_new) of layer i after the forward."""
+    """One event's new tokens (positions start.., round `round_id`) against each layer's earlier keys and
+    values: a LayerCache, or the per-event chunks of one (the event loop's), pruned by the policy; a chunk
+    whose rows are all visible is used as it is, so attention concatenates kept ++ new once per layer
+    (one copy of the context, not two). Attention by `backend`; `outs[i]` = (kept chunks, k_new, v_new)
+    of layer i after the forward."""
 
-    def __init__(self, caches: Sequence[LayerCache], start: int, round_id: int, policy: ContextPolicy, backend: str):
-        self.selected = [policy.select(c, start, round_id) for c in caches]
+    def __init__(self, caches: Sequence, start: int, round_id: int, policy: ContextPolicy, backend: str):
+        self.selected = [_select_chunks(policy, c if isinstance(c, (list, tuple)) else [c], start, round_id)
+                         for c in caches]
         self.backend = backend
         self.outs: list = [None] * len(caches)
 
@@ -102,6 +105,26 @@ class EventCache:
 
         def attend(q, k, v, span: AttentionSpan = span):
             self.outs[layer_index] = (kept, k, v)
-            return attention(q, torch.cat([kept.k_1HSD, k], 2), torch.cat([kept.v_1HSD, v], 2), causal=True,
-                             window=span.window, q_offset=span.q_offset, k_offset=span.k_offset, backend=self.backend)
+            return attention(q, torch.cat([*(c.k_1HSD for c in kept), k], 2), torch.cat([*(c.v_1HSD for c in kept), v], 2),
+                             causal=True, window=span.window, q_offset=span.q_offset, k_offset=span.k_offset,
+                             backend=self.backend)
         return attend
+
+
+def _select_chunks(policy: ContextPolicy, chunks: Sequence[LayerCache], start: int,
+                   round_id: int) -> tuple[list[LayerCache], AttentionSpan]:
+    """The policy's choice over the chunks' rows (host metadata): whole chunks where every row is kept,
+    the kept rows of the others, none of a chunk with no row kept."""
+    positions = torch.cat([c.positions_S for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
+    rounds = torch.cat([c.rounds_S for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
+    keep, span = policy.keep_rows(positions, rounds, start, round_id)
+    if keep is None:
+        return [c for c in chunks if len(c)], span
+    kept, i = [], 0
+    for c in chunks:
+        mask, i = keep[i:i + len(c)], i + len(c)
+        if len(c) and bool(mask.all()):
+            kept.append(c)
+        elif bool(mask.any()):
+            kept.append(c.take(mask))
+    return kept, span

@@ -84,3 +84,24 @@ def test_event_chunks_compose_to_the_whole_sequence(ttt):
         caches = [LayerCache(c.k_1HSD, c.v_1HSD, c.positions_S, c.rounds_S).append(k, v, pos, rid)
                   for c, (_, k, v) in zip(caches, cache.outs)]
     torch.testing.assert_close(torch.cat(parts, 1), whole.hidden_BTC, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("policy", [ContextPolicy("full"), ContextPolicy("window", 5), ContextPolicy("current_round")])
+def test_event_cache_over_chunks_equals_one_merged_cache(policy):
+    """The event loop hands EventCache each layer's cache as per-event chunks (no re-copy per event);
+    attention over them (whole chunks as they are, the kept rows of a chunk the window cuts) equals
+    attention over the one merged, pruned cache, bit for bit."""
+    from ds_ttt.ops.flashbob import attention  # noqa: F401  (the backend EventCache calls)
+
+    gen = torch.Generator().manual_seed(0)
+    sizes, rounds = [4, 3, 5], [0, 1, 2]
+    chunks, pos = [], 0
+    for n, r in zip(sizes, rounds):
+        kv = [torch.randn(1, 2, n, 8, generator=gen, dtype=torch.float64) for _ in range(2)]
+        chunks.append(LayerCache(kv[0], kv[1], torch.arange(pos, pos + n), torch.full((n,), r)))
+        pos += n
+    merged = LayerCache(torch.cat([c.k_1HSD for c in chunks], 2), torch.cat([c.v_1HSD for c in chunks], 2),
+                        torch.arange(pos), torch.cat([c.rounds_S for c in chunks]))
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    outs = [EventCache([c], pos, 3, policy, "reference").attend(0)(q, k, v) for c in (chunks, merged)]
+    assert torch.equal(outs[0], outs[1])

@@ -68,7 +68,9 @@ class FastWeightChain:
     """
 
     def __init__(self, initial: FastWeights, fast: Sequence[bool], lr: float):
-        self.initial = tuple(w.detach() for w in initial)
+        # the matrices that are not fast are used as they are (a parameter keeps its gradient path);
+        # the fast ones only as the start of the rebuild
+        self.initial = tuple(w.detach() if f else w for w, f in zip(initial, fast))
         self.fast = tuple(fast)
         self.lr = lr
         self.events: list[list[tuple[tuple, tuple]]] = []  # per event, per inner step: (kept, coefs)

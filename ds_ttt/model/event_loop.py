@@ -237,7 +237,8 @@ def run_event_loop(suffix: SuffixModules, ttt: TTTConfig, hidden_BTC: torch.Tens
     checkpointed = bool(ttt.checkpoint_events and create_graph and torch.is_grad_enabled() and not record)
     loop = _Loop(suffix=suffix, ttt=ttt, policy=ContextPolicy.from_ttt(ttt), create_graph=create_graph, record=record,
                  can_update=can_update, no_skip=torch.zeros((), dtype=torch.int64, device=device),
-                 checkpointed=checkpointed, params=_trainable_parameters(suffix) if checkpointed else [])
+                 checkpointed=checkpointed,
+                 params=_trainable_parameters(suffix, w_init, fast if can_update else None) if checkpointed else [])
     all_records, finals = [], []
     for b in range(hidden_BTC.shape[0]):
         n = int((kinds_host_BT[b] != TokenKind.PAD).sum())
@@ -414,12 +415,13 @@ def _append_event(visible: list[list[LayerCache]], new_kv, plan: _EventPlan, rou
     return chunks
 
 
-def _trainable_parameters(suffix: SuffixModules) -> list[torch.Tensor]:
-    """Every parameter an event reads that requires grad, once each (a tied LM head is the embedding)."""
+def _trainable_parameters(suffix: SuffixModules, w_init: FastWeights, fast) -> list[torch.Tensor]:
+    """Every tensor an event reads that requires grad, once each (a tied LM head is the embedding): the
+    modules' parameters, and a caller's W_0 of a matrix that is not fast (the step reads it as it is)."""
     seen, out = set(), []
-    for module in (*suffix.layers, suffix.norm, suffix.lm_head, suffix.rotary_emb):
-        for p in module.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
+    slow = [w for i, w in enumerate(w_init) if fast is None or not fast[i]]
+    for p in [p for m in (*suffix.layers, suffix.norm, suffix.lm_head, suffix.rotary_emb) for p in m.parameters()] + slow:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
     return out

@@ -97,8 +97,8 @@ def inner_sgd_step(loss: torch.Tensor, weights: FastWeights, *, lr: float, max_n
         got = []
         for (x, y), dy, w in zip(pairs, dys, wanted):
             dy = torch.zeros_like(y) if dy is None else dy
-            with torch.set_grad_enabled(differentiable):
-                got.append(factor_product(dy, x if differentiable else x.detach()).to(w.dtype))
+            with torch.set_grad_enabled(differentiable):  # in the factors' dtype: exact there (FactorTaps)
+                got.append(factor_product(dy, x if differentiable else x.detach()))
             factors.append((dy.detach(), x.detach()))
     gs = [torch.zeros_like(w) if g is None else g for g, w in zip(got, wanted)]
     spec = _ClipSpec(lr=lr, max_norm=max_norm, per_matrix=per_matrix, save_dtype=grad_dtype or gs[0].dtype,
@@ -163,9 +163,12 @@ class ClippedSGD(torch.autograd.Function):
                 coefs = [torch.clamp(spec.max_norm / (safe(norm) + 1e-6), max=1.0)] * k
         spec.kept, new = [], []
         for w, g, c in zip(ws, gs, coefs):
-            kept = torch.where(finite, g, 0.0).to(w.dtype)  # a fresh buffer: the write below consumes it
-            spec.kept.append(kept.to(spec.save_dtype, copy=True))
-            new.append(_write_into(kept, w, c, spec.lr) if spec.values else w.new_zeros(()).expand(w.shape))
+            # kept in the dtype g is exact in (no W-sized fp32 buffer but the write's own); the write
+            # takes a fresh fp32 copy and consumes it
+            kept = torch.where(finite, g.to(spec.save_dtype), 0.0)
+            spec.kept.append(kept)
+            new.append(_write_into(kept.to(w.dtype, copy=True), w, c, spec.lr) if spec.values
+                       else w.new_zeros(()).expand(w.shape))
         spec.norm, spec.finite, spec.coefs = norm.detach(), finite.detach(), coefs
         ctx.spec = spec
         ctx.set_materialize_grads(False)

@@ -67,6 +67,8 @@ from ds_ttt.train.safe_loading import deepspeed_safe_globals, use_safe_loading
 MOVED_PREFIX = "moved-"  # NEW_RUN/moved-<source tag>/: the converted checkpoint a move loads
 TMP_MOVED_PREFIX = ".tmp-" + MOVED_PREFIX
 UNIVERSAL_DIR = "zero"  # ds_to_universal's per-parameter folder inside a converted checkpoint
+LAYER_FILES = "layer_*-model_states.pt"  # pipeline layer files: one per spec index, copied, not converted
+CONVERSION_INPUT = ".conversion-input"  # the view of the source that DeepSpeed's converter reads
 # TTT settings that choose an implementation, not the computation: a move may change them.
 IMPLEMENTATION_TTT = ("attention_backend", "checkpoint_events")
 
@@ -139,18 +141,46 @@ def check_source_loads_safely(source: pathlib.Path) -> None:
                              "only checkpoints this trainer wrote: move from another checkpoint") from e
 
 
+def link_conversion_input(source: pathlib.Path, view: pathlib.Path) -> list[str]:
+    """`view/`: a symlink to every DeepSpeed file of `source` except the pipeline layer files, i.e.
+    the mp_rank model-state files and the ZeRO optimizer partitions: all that the universal conversion
+    converts. Returns the linked names.
+
+    Why not the layer files: DeepSpeed's `DeepSpeedCheckpoint` (built by ds_to_universal before it
+    converts anything) assumes Megatron's layout, layer files 1..-2 being transformer layers spread
+    evenly over the stages: `layers_per_pp = (number of layer files - 2) // pp_degree`, then
+    `key_index // layers_per_pp`. Our spec list has P + 2 layer files (embed, the P non-adaptive
+    layers, the last stage), so a source with P < stages (the largest stage count, P = stages - 1, as
+    the main job's 4-stage tiny-mem) divides by zero. The map is never used for a ZeRO-1/2 conversion
+    (the stages come from the model-state files' checkpoint_parallel_dimensions, the parameters from
+    the optimizer files), and the layer files are carried by spec index instead (convert_for_move).
+    Without them, the conversion no longer depends on how the layers are partitioned."""
+    view.mkdir(parents=True)
+    names = []
+    for path in sorted(source.glob("*.pt")):
+        if not path.match(LAYER_FILES):
+            (view / path.name).symlink_to(path.resolve())
+            names.append(path.name)
+    return names
+
+
 def run_ds_to_universal(source: pathlib.Path, out: pathlib.Path) -> str:
     """DeepSpeed's universal conversion of checkpoint `source` into `out` (in this process, no
-    worker pool); returns its console output. `inject_missing_state`: our engine never writes the
-    optional universal_checkpoint_info (it only tags Megatron-style tensor slicing, which we lack).
-    ds_to_universal also writes `latest_universal` beside `out`; that file is removed (we load by tag)."""
+    worker pool); returns its console output. It reads `source` through `link_conversion_input`'s
+    view (out/.conversion-input/, removed afterwards; the source is only read). `inject_missing_state`:
+    our engine never writes the optional universal_checkpoint_info (it only tags Megatron-style tensor
+    slicing, which we lack). ds_to_universal also writes `latest_universal` beside `out`; that file is
+    removed (we load by tag)."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    args = argparse.Namespace(input_folder=str(source), output_folder=str(out), num_extract_workers=1,
+    view = out / CONVERSION_INPUT
+    link_conversion_input(source, view)
+    args = argparse.Namespace(input_folder=str(view), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         ds_to_universal(args)
+    shutil.rmtree(view)  # symlinks only: the source files stay
     (out.parent / "latest_universal").unlink(missing_ok=True)
     return buf.getvalue()
 
@@ -188,7 +218,7 @@ def convert_for_move(move: Move, run_dir: pathlib.Path, *, rank: int, share=lamb
                 raise ValueError(f"--resume into another layout: DeepSpeed's universal conversion of {move.source} "
                                  f"failed ({type(e).__name__}: {e}); the source run is unchanged") from e
             write_anchor(tmp / UNIVERSAL_DIR)
-            for layer_file in sorted(move.source.glob("layer_*-model_states.pt")):
+            for layer_file in sorted(move.source.glob(LAYER_FILES)):
                 shutil.copy2(layer_file, tmp / layer_file.name)
             shutil.copytree(move.source / RNG_DIR, tmp / RNG_DIR)
             for name in (RUN_CONFIG, DATA_IDS, COMPLETE):

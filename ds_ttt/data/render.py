@@ -304,6 +304,23 @@ def parse_assistant_message(text: str) -> dict:
     return msg
 
 
+def reply_is_unfinished(content: str, *, truncated: bool) -> bool:
+    """A reply that ended before it was done: cut at the token limit (`truncated`), or whose parsed
+    content still holds an unclosed `<think>` or `<tool_call>` (a closed tool call is parsed out of it)."""
+    def unclosed(opening: str, closing: str) -> bool:
+        return content.rfind(opening) > content.rfind(closing)
+
+    return truncated or unclosed("<think>", "</think>") or unclosed("<tool_call>", "</tool_call>")
+
+
+def final_answer(content: str | None, *, truncated: bool) -> str:
+    """The answer an episode's final reply gives: its content, or "" when the reply is unfinished
+    (`reply_is_unfinished`): half a thought or half a command is never an answer, even when it holds
+    the number a test looks for. The closed-loop runner and the Harbor agent both write this."""
+    content = content or ""
+    return "" if reply_is_unfinished(content, truncated=truncated) else content
+
+
 @functools.lru_cache(maxsize=1)
 def control_tokens() -> tuple[str, ...]:
     """Every Qwen3 added token but the think tags: in message text each would encode as its single

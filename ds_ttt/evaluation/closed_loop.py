@@ -11,8 +11,12 @@ One episode (the training loop's shape, as `ds_ttt.serve.runner` and the Harbor 
      tool call runs in the episode's persistent shell, and the observation goes back to the session,
      which takes one inner step on its fast weights (mode "ttt"; "frozen" keeps W_0: the ablation;
      "sft": a model without adaptive layers, nothing to update);
-  4. the final reply is written to the answer file (ds_ttt/tasks/checks.py, ANSWER_PATH), the task's
-     test.sh is copied in (never visible to the agent before) and run; success = its reward is 1.
+  4. the verifier (verifier.py): every process of the agent's sandbox is killed, its files go to a fresh
+     sandbox the agent never ran in, the final reply is written to the answer file (ds_ttt/tasks/checks.py,
+     ANSWER_PATH), the task's test.sh is placed (never visible to the agent before) and read back, the
+     reward directory is new and empty, and the test runs; success = its reward is 1. A final reply that
+     is unfinished (cut at max_new_tokens, or an unclosed `<think>` / `<tool_call>`) answers nothing:
+     the answer file is empty and the stop is "truncated" (ds_ttt/data/render.py `final_answer`).
 
 Episodes run together: each on its own thread (its sandbox commands overlap the others' decoding), all
 model work on one BatchScheduler (ds_ttt/serve/scheduler.py), the server's batched decode, so the
@@ -28,15 +32,15 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from ds_ttt.sandbox import Sandbox, SandboxError
+from ds_ttt.data.render import final_answer, reply_is_unfinished
 from ds_ttt.evaluation.intervals import wilson_interval
+from ds_ttt.evaluation.verifier import run_verifier
+from ds_ttt.sandbox import Sandbox
 from ds_ttt.serve.runner import BashToolRunner
-from ds_ttt.tasks.checks import ANSWER_PATH, REWARD_PATH
 from ds_ttt.tasks.suite import Task
 
 MODES = ("ttt", "frozen", "sft")
-TEST_PATH = "/tests/test.sh"
-LOG_DIRS = "/logs/agent /logs/verifier"
+AGENT_DIRS = ("/logs", "/tests")  # Harbor's directories, writable by the agent as in Harbor's containers
 
 
 @dataclass
@@ -47,7 +51,7 @@ class EpisodeResult:
     seen: bool
     attempt: int
     success: bool
-    stop: str  # "answer", "max_rounds", "truncated" (a reply hit max_new_tokens), "context_full"
+    stop: str  # "answer", "max_rounds", "truncated" (the final reply is unfinished), "context_full"
     rounds: int
     updates: int  # inner steps taken (0 in the frozen / sft modes)
     tokens: int  # generated tokens
@@ -57,18 +61,11 @@ class EpisodeResult:
 
 
 def score_outcome(sb: Sandbox, task: Task, answer: str | None) -> tuple[bool, str]:
-    """Run the task's test in the episode's sandbox after the episode: (reward == 1, the test's log).
-    `answer` (the final reply) goes to the answer file first; None leaves the file as the episode left it."""
-    sb.run_fresh(f"mkdir -p {LOG_DIRS}", timeout=60.0)  # as Harbor's environments make them for the verifier
-    if answer is not None:
-        sb.put(answer.encode(), ANSWER_PATH)
-    sb.put(task.test.encode(), TEST_PATH, 0o755)
-    out = sb.run_fresh(f"bash {TEST_PATH}", cwd="/app", timeout=60.0)
-    log = (out.output + out.stderr)[-2000:]
-    try:
-        return sb.read(REWARD_PATH).decode().strip() == "1", log
-    except SandboxError as e:  # a test that wrote no reward fails the episode; the log says why
-        return False, f"{log}\n[no reward file: {e}]"
+    """Run the task's test on what the episode left in `sb`: (reward == 1, the test's log). The verifier
+    (verifier.py) closes `sb`, killing every process of the agent, and runs the test in a fresh sandbox
+    holding the agent's files. `answer` (the final reply) goes to the answer file; None keeps the file
+    as the episode left it."""
+    return run_verifier(sb, task.test, answer)
 
 
 def verify_task(task: Task) -> dict:
@@ -76,7 +73,7 @@ def verify_task(task: Task) -> dict:
     shell as Harbor's oracle agent runs it) must pass, and doing nothing (Harbor's nop agent) must fail."""
     out = {}
     for name, script in (("oracle", (task.path / "solution" / "solve.sh").read_text()), ("nop", None)):
-        with Sandbox(timeout=30.0, dirs=("/logs", "/tests")) as sb:
+        with Sandbox(timeout=30.0, dirs=AGENT_DIRS) as sb:
             sb.add_tree(task.environment)
             if script is not None:
                 sb.put(script.encode(), "/tests/solve.sh", 0o755)
@@ -97,7 +94,7 @@ def run_episode(agent, engine, task: Task, *, mode: str, attempt: int = 0, tempe
     res = EpisodeResult(task.id, task.kind, task.family, task.seen, attempt, False, "max_rounds", 0, 0, 0, 0.0)
     answer = ""
     with BashToolRunner(timeout=command_timeout, max_output_chars=max_output_chars, setup_dir=task.environment,
-                        dirs=("/logs", "/tests")) as tools:
+                        dirs=AGENT_DIRS) as tools:
         try:
             engine.run(lambda: session.reset(task.instruction))
             for _ in range(max_rounds):
@@ -109,8 +106,10 @@ def run_episode(agent, engine, task: Task, *, mode: str, attempt: int = 0, tempe
                 calls = message.get("tool_calls") or []
                 invalid = message.get("invalid_tool_calls") or []
                 if not calls and not invalid:
-                    answer = message.get("content") or ""
-                    res.stop = "truncated" if message.get("truncated") else "answer"
+                    truncated = bool(message.get("truncated"))
+                    answer = final_answer(message.get("content"), truncated=truncated)
+                    unfinished = reply_is_unfinished(message.get("content") or "", truncated=truncated)
+                    res.stop = "truncated" if unfinished else "answer"
                     break
                 res.actions += [c.get("function", c).get("arguments") for c in calls]
                 outputs = [tools.execute(c) for c in calls] + [f"[error: invalid tool call: {b['error']}]" for b in invalid]

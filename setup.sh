@@ -22,9 +22,11 @@ fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -r requirements/cpu.txt
-.venv/bin/python -m pip install -q --no-deps -e .
+# Installed as locked (requirements/lock.py writes the locks): every package at its version and sha256, the
+# build tools first so that deepspeed (an sdist) and ds_ttt build with them, not with the index's newest.
+.venv/bin/python -m pip install -q --require-hashes -r requirements/build.lock
+.venv/bin/python -m pip install -q --require-hashes --no-build-isolation -r requirements/cpu.lock
+.venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 .venv/bin/python -c "import torch, deepspeed, transformers; print(f'[setup] torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}')"
 # each sandbox's cgroup (docs/sandbox.md): the sandbox refuses where none can be made; say so now, with the fix
 .venv/bin/python -c "from ds_ttt.sandbox import cgroup_problem; p = cgroup_problem(); print('[setup] per-episode cgroup caps: ' + ('available' if p is None else 'UNAVAILABLE, sandboxes will refuse: ' + p))"

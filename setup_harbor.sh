@@ -45,11 +45,12 @@ if [ ! -x "$VENV/bin/python" ] || ! is_py312 "$VENV/bin/python"; then
   "$PY" -m venv "$VENV"
 fi
 stamp="$VENV/.requirements.sha256"
-want=$(sha256sum requirements/harbor.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(sha256sum requirements/build.lock requirements/harbor.lock pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -r requirements/harbor.txt
-  "$VENV/bin/python" -m pip install -q --no-deps -e .
+  # as locked (requirements/lock.py): versions and sha256 of every package, build tools first
+  "$VENV/bin/python" -m pip install -q --require-hashes -r requirements/build.lock
+  "$VENV/bin/python" -m pip install -q --require-hashes --no-build-isolation -r requirements/harbor.lock
+  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
 "$VENV/bin/python" -c "import sys, harbor, openai, importlib.metadata as m; import ds_ttt.sandbox; \

@@ -85,10 +85,12 @@ def seal(sb: Sandbox, *, fresh: tuple[str, ...] = FRESH_DIRS, notes: list[str] |
     `sb` is closed, every process of it dead. `notes` gets what was discarded from `fresh`.
     Raises VerificationError (with `sb` closed) when the agent's files cannot be carried over."""
     notes = notes if notes is not None else []
+    new = None
     archives: dict[str, bytes] = {}
     try:
         if sb.isolation == "none":  # its paths are host paths: /tests would be this machine's
             raise VerificationError("the verifier needs an isolated sandbox (isolation='none' was used)")
+        new = _sandbox_like(sb)  # unstarted; made while `sb`'s settings (keep) are still its own
         dropped = []
         for mount in sb.mounts:
             data = sb.get_tree(mount)
@@ -99,26 +101,30 @@ def seal(sb: Sandbox, *, fresh: tuple[str, ...] = FRESH_DIRS, notes: list[str] |
         if dropped:
             notes.append(f"[verifier: discarded what the agent left in {' and '.join(fresh)}: {', '.join(dropped[:10])}"
                          + (f" (+{len(dropped) - 10} more)]" if len(dropped) > 10 else "]"))
-    except (SandboxError, tarfile.TarError) as e:
-        raise VerificationError(f"the agent's files could not be archived: {e}") from e
+    except (SandboxError, tarfile.TarError, VerificationError) as e:
+        if new is not None:
+            new.close()
+        raise VerificationError(f"the agent's files could not be carried over: {e}") from e
     finally:
         sb.close()  # every process of the agent: killed here, before anything of the verifier runs
         # its BASE is gone: the caller's own close() (a `with` block) must not remove it again, since
         # removing a missing tree makes files.remove_tree chmod its parent (the shared /tmp) to 0700
         sb.keep = True
-    new = _sandbox_like(sb)
     try:
         for mount, data in archives.items():
             res = new.put_tree(data, mount)
             if res.exit_code != 0:
-                raise VerificationError(f"the agent's files could not be restored into {mount}: {res.stderr.strip()[:500]}")
+                raise VerificationError(f"the agent's files could not be restored into {mount}: "
+                                        f"{res.stderr.strip()[:500]}")
         q = " ".join(shlex.quote(d) for d in fresh)
         # a FRESH directory inside a restored mount is removed with whatever is in it; one that is a mount
         # of its own was never restored (`rm -rf` of a mount point empties it and fails: hence `find`)
-        res = new.run_fresh(f"for d in {q}; do if mountpoint -q \"$d\" 2>/dev/null; then find \"$d\" -mindepth 1 -delete; "
-                            f"else {{ [ -L \"$d\" ] || chmod -R u+rwX -- \"$d\"; }} 2>/dev/null; rm -rf -- \"$d\"; fi; mkdir -p -- \"$d\" || exit 1; "
-                            f"[ -d \"$d\" ] && [ ! -L \"$d\" ] && [ -z \"$(ls -A -- \"$d\")\" ] || exit 1; done",
-                            cwd="/", timeout=VERIFIER_TIMEOUT_SEC)
+        res = new.run_fresh(
+            f"for d in {q}; do "
+            'if mountpoint -q "$d" 2>/dev/null; then find "$d" -mindepth 1 -delete; '
+            'else { [ -L "$d" ] || chmod -R u+rwX -- "$d"; } 2>/dev/null; rm -rf -- "$d"; fi; '
+            'mkdir -p -- "$d" || exit 1; [ -d "$d" ] && [ ! -L "$d" ] && [ -z "$(ls -A -- "$d")" ] || exit 1; done',
+            cwd="/", timeout=VERIFIER_TIMEOUT_SEC)
         if res.exit_code != 0:
             raise VerificationError(f"the verifier's directories could not be made fresh: {res.stderr.strip()[:500]}")
     except (SandboxError, VerificationError) as e:
@@ -137,8 +143,9 @@ def place_verified(sb: Sandbox, data: bytes, path: str, mode: int | None = None)
     except SandboxError as e:
         raise VerificationError(f"reading {path} back failed: {e}") from e
     if back != data:
-        raise VerificationError(f"{path} does not hold what was written (sha256 {hashlib.sha256(back).hexdigest()[:12]} "
-                                f"instead of {hashlib.sha256(data).hexdigest()[:12]})")
+        raise VerificationError(f"{path} does not hold what was written (sha256 "
+                                f"{hashlib.sha256(back).hexdigest()[:12]} instead of "
+                                f"{hashlib.sha256(data).hexdigest()[:12]})")
 
 
 def run_verifier(sb: Sandbox, test_script: str, answer: str | None) -> tuple[bool, str]:

@@ -19,9 +19,13 @@ The loop is the training loop's (the data generator's and `ds_ttt.serve.runner`'
   * the conversation goes back to the server with the `session_id` its first reply named, so that TTT
     session observes each tool result (one inner step on the fast weights) before it generates the
     next action (a reply from another session — the server found the history diverged — is an error);
-  * it ends at a reply without tool calls, or after `max_rounds` replies. That final reply is written to
-    ANSWER_PATH (/logs/agent/answer.txt) in the environment, where the tests of ds_ttt's held-out tasks
-    that check the agent's answer read it (ds_ttt/tasks/checks.py), and kept as logs_dir/answer.txt. A reply whose only tool calls
+  * it ends at a reply without tool calls, or after `max_rounds` replies. That final reply's answer is
+    written to ANSWER_PATH (/logs/agent/answer.txt) in the environment, where the tests of ds_ttt's
+    held-out tasks that check the agent's answer read it (ds_ttt/tasks/checks.py), and kept as
+    logs_dir/answer.txt. The file is always written: empty when the episode gave no answer (max_rounds,
+    a reply cut at max_tokens, stop "length") or an unfinished one (an unclosed `<think>` or `<tool_call>`:
+    stop "truncated"; ds_ttt/data/render.py `final_answer`, the closed-loop runner's rule), so neither
+    half a command nor a file the agent wrote there itself is taken for its answer. A reply whose only tool calls
     did not parse (the server's `invalid_tool_calls`) also ends it (stop "invalid_tool_calls"): the
     OpenAI format has no tool result for a call without an id, whereas the training runner reports
     such calls back as `[error: invalid tool call: …]` observations.
@@ -68,6 +72,7 @@ from pydantic import Field
 
 import ds_ttt
 from ds_ttt.data.generator import BASH_TOOL, SYSTEM_PROMPT
+from ds_ttt.data.render import final_answer, reply_is_unfinished
 from ds_ttt.sandbox import CommandResult, format_observation
 from ds_ttt.tasks.checks import ANSWER_PATH
 
@@ -246,8 +251,8 @@ class TTTAgent(BaseAgent):
             finally:
                 if stats.get("server_session"):
                     stats["deleted"] = await self._delete_session(stats["server_session"])
-        if stop == "answer":
-            await self._write_answer(environment, messages[-1]["content"])
+        await self._write_answer(environment, final_answer(messages[-1]["content"], truncated=False)
+                                 if stop == "answer" else "")
         self._write_trajectory(session, model, steps, totals, ttt, stop=stop)
         self._fill_context(context, session, totals, ttt, len(steps) - 2, stop)
 
@@ -320,6 +325,8 @@ class TTTAgent(BaseAgent):
             if not calls:  # unparseable calls cannot go back as tool results: the episode ends there
                 stop = ("invalid_tool_calls" if invalid else "answer") if choice.finish_reason == "stop" \
                     else str(choice.finish_reason)
+                if stop == "answer" and reply_is_unfinished(assistant["content"], truncated=False):
+                    stop = "truncated"
                 break
         return stop, ttt
 

@@ -25,6 +25,15 @@ what was used).
                                         there; a downloaded link pointing outside is skipped
   stop                                  kills every process of the sandbox; its files go with it
 
+The verifier. Harbor's shared-mode verifier uploads the task's tests to /tests, runs /tests/test.sh with
+exec and downloads /logs/verifier, all in the agent's environment. The first upload into /tests after
+the agent ran seals the trial (ds_ttt/evaluation/verifier.py `seal`): every process of the agent's
+sandbox is killed (its persistent shell, through which exec used to be sent, included), its files move to
+a fresh sandbox with the same mounts, /tests and /logs/verifier are made new and empty there, and every
+uploaded test file is read back and compared. So an agent cannot plant its own test, a reward file, a
+link in their place, a job rewriting the reward, or a shell function answering for the host's commands.
+What it left in /tests or /logs/verifier is named in a warning and discarded.
+
 Refused: a task whose environment is a Dockerfile, docker-compose file or `docker_image` (run it with
 `--env docker`), Windows tasks, and network allow-lists. A task whose network policy is public runs
 without network (a warning says so): the sandbox never has any. Harbor's `user=` is not honoured
@@ -46,6 +55,7 @@ from harbor.environments.tar_transfer import extract_dir
 from harbor.models.task.config import NetworkMode, TaskOS
 from harbor.models.trial.paths import EnvironmentPaths
 
+from ds_ttt.evaluation.verifier import VerificationError, place_verified, seal
 from ds_ttt.sandbox import CommandResult, Sandbox, SandboxError, isolation_problem
 
 DEFAULT_WORKDIR = "/app"
@@ -63,6 +73,7 @@ class SandboxEnvironment(BaseEnvironment):
             raise ValueError(f"cgroup_caps={cgroup_caps!r}: choose required (the default) or none (--ek cgroup_caps=none)")
         self._cgroup_caps = cgroup_caps
         self._sandbox: Sandbox | None = None
+        self._sealed = False  # the last call sealed the sandbox or uploaded a test into it (`_seal_for_verifier`)
         self._lock = asyncio.Lock()
         super().__init__(*args, **kwargs)
 
@@ -162,6 +173,7 @@ class SandboxEnvironment(BaseEnvironment):
     async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
                    timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
         # `user` is not honoured: the sandbox has one user (see the module docstring)
+        self._sealed = False
         res = await self._call(self.sandbox.run_fresh, command, cwd=cwd or self.workdir, env=self._merge_env(env),
                                timeout=NO_TIMEOUT_SEC if timeout_sec is None else float(timeout_sec),
                                max_output_bytes=EXEC_OUTPUT_BYTES)
@@ -171,6 +183,7 @@ class SandboxEnvironment(BaseEnvironment):
 
     async def shell(self, command: str, timeout_sec: float | None = None) -> CommandResult:
         """Run `command` in the trial's persistent shell (state carries over; stderr merged)."""
+        self._sealed = False
         return await self._call(self.sandbox.run, command, NO_TIMEOUT_SEC if timeout_sec is None else float(timeout_sec))
 
     async def _checked(self, what: str, fn, *args, **kwargs):
@@ -182,18 +195,64 @@ class SandboxEnvironment(BaseEnvironment):
             raise RuntimeError(f"SandboxEnvironment {what} failed (exit {res.exit_code}): {res.stderr.strip()}")
         return res
 
+    # ---- the verifier ------------------------------------------------------------------------------
+    @staticmethod
+    def _is_tests_path(target: str) -> bool:
+        tests = str(EnvironmentPaths().tests_dir)
+        target = str(PurePosixPath(target))
+        return target == tests or target.startswith(tests.rstrip("/") + "/")
+
+    async def _seal_for_verifier(self) -> None:
+        """The agent's sandbox killed, its files in a fresh one with new, empty /tests and /logs/verifier
+        (the module docstring). Once per run of uploads into /tests: any other call (exec, shell, another
+        upload: a multi-step task's next agent step) means the next upload into /tests seals again."""
+        if self._sealed:
+            return
+        paths = EnvironmentPaths()
+        notes: list[str] = []
+        async with self._lock:
+            try:
+                self._sandbox = await asyncio.to_thread(seal, self.sandbox, notes=notes,
+                                                        fresh=(str(paths.tests_dir), str(paths.verifier_dir)))
+            except VerificationError as e:
+                self._sandbox = None
+                raise RuntimeError(f"SandboxEnvironment: the verifier cannot run: {e}") from e
+        self._sealed = True
+        for note in notes:
+            self.logger.warning(f"SandboxEnvironment: {note}")
+        self.logger.info(f"sandbox sealed for the verifier: {self.sandbox.base}")
+
     # ---- files ---------------------------------------------------------------------------------
     @override
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
-        await self._checked(f"upload of {source_path} to {target_path}", self.sandbox.put,
-                            Path(source_path).read_bytes(), str(PurePosixPath(target_path)))
+        data, target = Path(source_path).read_bytes(), str(PurePosixPath(target_path))
+        if self._is_tests_path(target):
+            await self._seal_for_verifier()
+            try:
+                await self._call(place_verified, self.sandbox, data, target)
+            except VerificationError as e:
+                raise RuntimeError(f"SandboxEnvironment upload of {source_path} to {target}: {e}") from e
+            return
+        self._sealed = False
+        await self._checked(f"upload of {source_path} to {target_path}", self.sandbox.put, data, target)
 
     @override
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:  # contents of source_dir (like `docker cp src/. dst`)
             tar.add(str(source_dir), arcname=".")
+        tests = self._is_tests_path(target_dir)
+        if tests:
+            await self._seal_for_verifier()
+        else:
+            self._sealed = False
         await self._checked(f"upload of {source_dir} to {target_dir}", self.sandbox.put_tree, buf.getvalue(), target_dir)
+        if tests:  # every file read back: the test that runs is the task's
+            for path in sorted(p for p in Path(source_dir).rglob("*") if p.is_file() and not p.is_symlink()):
+                target = str(PurePosixPath(target_dir) / path.relative_to(source_dir).as_posix())
+                back = await self._checked(f"reading back {target}", self.sandbox.read, target)
+                if back != path.read_bytes():
+                    raise RuntimeError(f"SandboxEnvironment: {target} does not hold the uploaded {path}")
 
     @override
     async def download_file(self, source_path: str, target_path: Path | str) -> None:

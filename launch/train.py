@@ -5,7 +5,8 @@
     ... --resume RUN_DIR                                   # continue exactly (RUN_DIR or a checkpoint dir)
     ... --start-stage-from RUN_DIR --data NEW/manifest.json --output NEW_RUN   # next data stage
     ... --model /models/Qwen3-8B --deepspeed_config ds_configs/qwen3_8b_pp4.json   # GPUs, a local Qwen3
-    deepspeed --hostfile hostfile launch/train.py ...      # multi-node
+    deepspeed --hostfile hostfile launch/train.py ...      # multi-node (docs/training.md "Many machines")
+    ... --dist_timeout 600       # a rank stops after 600 s without its peers (a lost node); default 1800
 
 TTT/run settings: a run-config JSON (`--run_config`, see ds_ttt/train/run_config.py), overridden by
 the flags below and `--ttt key=value` (e.g. --ttt adaptive_layers=0 --ttt trainable_scope=all for the
@@ -24,6 +25,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
+from ds_ttt.train.rendezvous import DEFAULT_TIMEOUT_S, join_process_group, lost_peer_message  # noqa: E402
 from ds_ttt.train.run_config import load_run_config, parse_ttt_overrides  # noqa: E402
 
 
@@ -45,6 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--resume", metavar="CKPT", help="continue a run: RUN_DIR (latest) or a checkpoint dir")
     ap.add_argument("--start-stage-from", dest="start_stage_from", metavar="CKPT",
                     help="begin a new data stage from a checkpoint (new --data and --output)")
+    ap.add_argument("--dist_timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                    help="stop when the rendezvous or any collective waits this long for its peers (a lost node)")
     ap = deepspeed.add_config_arguments(ap)
     return ap.parse_args(argv)
 
@@ -72,7 +76,7 @@ def main(argv=None, *, on_save_phase=None) -> int:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if torch.cuda.is_available():  # before any collective: NCCL object collectives use the current device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    join_process_group(timeout_s=args.dist_timeout, backend="nccl" if torch.cuda.is_available() else "gloo")
     from ds_ttt.train.engine import Trainer
     try:
         Trainer.build(run, ds, resume=args.resume, start_stage_from=args.start_stage_from,
@@ -81,6 +85,12 @@ def main(argv=None, *, on_save_phase=None) -> int:
         if torch.distributed.get_rank() == 0:
             print(f"launch/train.py: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a collective lost its peers (a node died or left the network): say so, stop
+        message = lost_peer_message(e, timeout_s=args.dist_timeout)
+        if message is None:
+            raise
+        print(f"launch/train.py: error: rank {torch.distributed.get_rank()}: {message}", file=sys.stderr, flush=True)
+        os._exit(3)  # no teardown: it would wait on the lost peers again
     finally:
         torch.distributed.destroy_process_group()
     return 0

@@ -1,0 +1,225 @@
+"""launch/train.py on two real nodes: two network namespaces on this machine (tests/e2e/netns.py), each
+with its own IPv4 address, hostname and loopback, joined by a veth pair. Every run starts through
+DeepSpeed's own launcher, once per node, as on a cluster without ssh:
+
+    ip netns exec NODE  deepspeed --hostfile HOSTFILE --no_ssh --node_rank K --master_addr NODE0_ADDR \
+        --master_port 29500 launch/train.py --deepspeed_config PP1xDP2.json ... --dist_timeout 20
+
+with GLOO_SOCKET_IFNAME=ttt0 (the veth end on each node). 2 nodes x 1 CPU rank (PP1 x DP2, tiny preset,
+4 steps, a checkpoint every step):
+
+  A  the two-node run: every rank joins over the node addresses (master node0's ttt0 address, interface
+     ttt0 with the node's own address, never loopback); metrics for steps 1-4;
+  R  a node-local --output (each node's own folder bind-mounted at the same path): refused at startup
+     on every node, naming node1, whose marker node0 cannot see; nothing trained;
+  K  a node lost mid-run: in step 3 (once `latest` names step 2) node1's cable is cut and every
+     process of node1 SIGKILLed (no FIN, no RST reaches node0, as when a machine dies); node0's ranks
+     stop by themselves within STOP_BOUND_S (--dist_timeout + 30 s) with the lost-peer error; `latest`
+     names a complete checkpoint; resuming K on both nodes gives A's losses, step for step, bit for bit;
+  M  moving off a node: A's step-2 checkpoint continues on node0 alone, 1 node x 2 ranks, PP2 x DP1
+     (the layout move: --resume A/step_2 --output M); losses within tests/e2e/test_layout_move.py's
+     LOSS_RTOL of A's.
+
+Needs root (network and mount namespaces); skips with the reason elsewhere.
+
+    python -m pytest tests/e2e/test_multinode.py -s     (six two-node launches, ~3 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = pathlib.Path(sys.executable).parent
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+from netns import IFNAME, Cluster  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+_spec = importlib.util.spec_from_file_location("layout_move_e2e", ROOT / "tests" / "e2e" / "test_layout_move.py")
+_move_e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_move_e2e)
+make_data, metrics, LAYOUTS, LOSS_RTOL = _move_e2e.make_data, _move_e2e.metrics, _move_e2e.LAYOUTS, _move_e2e.LOSS_RTOL
+
+MASTER_PORT = 29500  # each namespace has its own ports: no clash with anything else on this machine
+DIST_TIMEOUT_S = 20  # --dist_timeout of every launch here
+STOP_BOUND_S = DIST_TIMEOUT_S + 30  # node loss -> node0's launcher gone: the timeout, then the error and exit
+RUN = {"preset": "tiny", "seed": 0, "save_interval": 1, "min_lr_ratio": 0.1,
+       "ttt": {"adaptive_layers": 2, "trainable_scope": "suffix"}}
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = Cluster.unavailable()
+    if reason is not None:
+        pytest.skip(f"two nodes need network namespaces: {reason}")
+    with Cluster.create(2) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, cluster):
+    tmp = tmp_path_factory.mktemp("multinode")
+    for name in ("pp1_dp2", "pp2_dp1"):
+        (tmp / f"{name}.json").write_text(json.dumps(LAYOUTS[name][1]))
+    (tmp / "run.json").write_text(json.dumps(RUN))
+    (tmp / "hostfile_2x1").write_text(cluster.hostfile(slots=1))
+    (tmp / "hostfile_1x2").write_text("node0 slots=2\n")
+    return {"tmp": tmp, "manifest": make_data(tmp / "data", seed=1), "runs": {}}
+
+
+class Launch:
+    """launch/train.py started by DeepSpeed's launcher on each of `nodes` (one Popen per node)."""
+
+    def __init__(self, cluster: Cluster, work: dict, args: list[str], *, hostfile: str = "hostfile_2x1",
+                 ds: str = "pp1_dp2.json", nodes: tuple[int, ...] = (0, 1), binds: dict | None = None):
+        tmp = work["tmp"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline",
+               "GLOO_SOCKET_IFNAME": IFNAME}
+        self.nodes = [cluster.nodes[k] for k in nodes]
+        self.procs = []
+        for node in self.nodes:
+            argv = [str(BIN / "deepspeed"), "--hostfile", str(tmp / hostfile), "--no_ssh", "--node_rank",
+                    str(node.rank), "--master_addr", cluster.nodes[0].address, "--master_port", str(MASTER_PORT),
+                    "launch/train.py", "--deepspeed_config", str(tmp / ds), "--dist_timeout", str(DIST_TIMEOUT_S)]
+            argv += args
+            self.procs.append(subprocess.Popen(node.command(argv, binds=(binds or {}).get(node.rank)), cwd=ROOT,
+                                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                               start_new_session=True))
+
+    def wait(self, timeout: float = 300) -> list[tuple[int, str]]:
+        """(returncode, output) per node; a node still running at `timeout` fails the test."""
+        results, deadline = [], time.monotonic() + timeout
+        for node, proc in zip(self.nodes, self.procs):
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                node.kill_all()
+                out, _ = proc.communicate()
+                pytest.fail(f"{node.hostname} still running after {timeout} s:\n{out[-4000:]}")
+            results.append((proc.returncode, out))
+        return results
+
+
+def run_ok(launch: Launch) -> list[str]:
+    results = launch.wait()
+    for rc, out in results:
+        assert rc == 0, f"rc {rc}\n{out[-5000:]}"
+    return [out for _, out in results]
+
+
+def two_node_run(cluster, work) -> pathlib.Path:
+    """A: the uninterrupted two-node run (once per module)."""
+    if "A" not in work["runs"]:
+        a = work["tmp"] / "A"
+        outs = run_ok(Launch(cluster, work, ["--run_config", str(work["tmp"] / "run.json"), "--data",
+                                             str(work["manifest"]), "--output", str(a), "--max_steps", str(STEPS)]))
+        work["runs"]["A"] = (a, outs)
+    return work["runs"]["A"][0]
+
+
+def test_two_nodes_train_over_their_own_addresses(cluster, work):
+    started = time.monotonic()
+    a = two_node_run(cluster, work)
+    outs = work["runs"]["A"][1]
+    master = f"{cluster.nodes[0].address}:{MASTER_PORT}"
+    for node, out in zip(cluster.nodes, outs):
+        joined = re.findall(r"\[rank (\d+) @ (\S+)\] joined (\d+) ranks via master (\S+), interface (\S+) \((\S+)\)",
+                            out)
+        assert joined == [(str(node.rank), node.hostname, "2", master, IFNAME, node.address)], out[-3000:]
+    assert [r["step"] for r in metrics(a)] == list(range(1, STEPS + 1))
+    assert (a / "latest").read_text().strip() == f"step_{STEPS:08d}"
+    assert not list(a.glob(".shared-check-*")) and not list(a.glob(".tmp-*"))
+    print(f"\ntwo-node run A: {time.monotonic() - started:.1f} s")
+
+
+def test_node_local_output_is_refused_naming_the_host(cluster, work):
+    tmp = work["tmp"]
+    out = tmp / "R"
+    disks = {k: tmp / f"node{k}_disk" for k in (0, 1)}
+    for path in (out, *disks.values()):
+        path.mkdir()
+    launch = Launch(cluster, work, ["--run_config", str(tmp / "run.json"), "--data", str(work["manifest"]),
+                                    "--output", str(out), "--max_steps", str(STEPS)],
+                    binds={k: {disk: out} for k, disk in disks.items()})
+    results = launch.wait()
+    assert all(rc != 0 for rc, _ in results), [rc for rc, _ in results]
+    errors = [line for line in results[0][1].splitlines() if "launch/train.py: error:" in line]
+    assert len(errors) == 1, results[0][1][-4000:]
+    assert f"--output {out} is not one shared filesystem: rank 0 on node0 cannot see the markers that " \
+           f"node1 (ranks 1) wrote" in errors[0]
+    for k, disk in disks.items():  # nothing trained, no marker left behind on either node's disk
+        assert list(disk.iterdir()) == [], (k, list(disk.iterdir()))
+    assert list(out.iterdir()) == []
+
+
+def test_a_lost_node_stops_node0_in_bound_and_the_resume_is_exact(cluster, work):
+    want = metrics(two_node_run(cluster, work))
+    tmp, k_dir = work["tmp"], work["tmp"] / "K"
+    launch = Launch(cluster, work, ["--run_config", str(tmp / "run.json"), "--data", str(work["manifest"]),
+                                    "--output", str(k_dir), "--max_steps", str(STEPS)])
+    deadline = time.monotonic() + 240
+    while not ((k_dir / "latest").is_file() and (k_dir / "latest").read_text().strip() == "step_00000002"):
+        assert time.monotonic() < deadline and launch.procs[0].poll() is None, "step 2's checkpoint never came"
+        time.sleep(0.05)  # step 2 is saved: the ranks are in step 3
+    node1 = cluster.nodes[1]
+    node1.cut_cable()  # the machine is gone: nothing more from it reaches node0
+    killed = node1.kill_all()
+    lost_at = time.monotonic()
+    rc0, out0 = None, ""
+    try:
+        out0, _ = launch.procs[0].communicate(timeout=STOP_BOUND_S + 60)
+        rc0 = launch.procs[0].returncode
+    except subprocess.TimeoutExpired:
+        pass
+    stopped_after = time.monotonic() - lost_at
+    launch.procs[1].communicate()
+    cluster.nodes[0].kill_all()  # a hang would leave node0's ranks: end them before the next launch
+    subprocess.run(["/usr/sbin/ip", "-n", node1.netns, "link", "set", IFNAME, "up"], check=True)
+    error = next((line for line in out0.splitlines() if "launch/train.py: error:" in line), None)
+    print(f"\nnode lost with {len(metrics(k_dir))} steps logged ({len(killed)} processes of node1 SIGKILLed): "
+          f"node0 stopped after {stopped_after:.1f} s (bound {STOP_BOUND_S} s, --dist_timeout {DIST_TIMEOUT_S}):"
+          f"\n{error}")
+    assert rc0 is not None, f"node0 still running {stopped_after:.0f} s after node1 was lost"
+    assert rc0 != 0 and stopped_after <= STOP_BOUND_S, (rc0, stopped_after, out0[-3000:])
+    assert "launch/train.py: error: rank 0: lost contact with a peer rank" in out0, out0[-3000:]
+
+    from ds_ttt.train.checkpoint import resolve_checkpoint
+    kept = resolve_checkpoint(k_dir)  # `latest` names a complete checkpoint
+    assert (kept / "COMPLETE").is_file(), kept
+
+    run_ok(Launch(cluster, work, ["--resume", str(k_dir)]))
+    got = metrics(k_dir)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(want, got):
+        for key in ("loss", "action_loss", "lr", "tokens"):
+            assert b[key] == a[key], (a["step"], key, a[key], b[key])  # bit for bit
+    print(f"resumed from {kept.name} on two nodes: losses equal to A's bit for bit: {[r['loss'] for r in got]}")
+
+
+def test_moving_off_a_node(cluster, work):
+    a = two_node_run(cluster, work)
+    moved = work["tmp"] / "M"
+    log = run_ok(Launch(cluster, work, ["--resume", str(a / "step_00000002"), "--output", str(moved)],
+                        hostfile="hostfile_1x2", ds="pp2_dp1.json", nodes=(0,)))[0]
+    assert "DeepSpeed universal checkpoint" in log, log[-3000:]
+    want, got = metrics(a)[2:], metrics(moved)
+    assert [r["step"] for r in got] == list(range(3, STEPS + 1))
+    diffs = []
+    for x, y in zip(want, got):
+        assert y["lr"] == x["lr"] and y["tokens"] == x["tokens"]
+        diffs.append(abs(y["loss"] - x["loss"]) / abs(x["loss"]))
+        assert y["loss"] == pytest.approx(x["loss"], rel=LOSS_RTOL, abs=0), (x["loss"], y["loss"])
+    print(f"\n2 nodes x 1 (PP1 x DP2) -> 1 node x 2 (PP2 x DP1): relative loss differences "
+          f"{['%.2e' % d for d in diffs]} (tolerance {LOSS_RTOL:.2e})")

@@ -22,7 +22,9 @@ How the state is carried (`convert_for_move`, rank 0, into NEW_RUN; the source r
     (zero/<name>/{fp32, exp_avg, exp_avg_sq, step}.pt); the new engine loads it with
     `checkpoint.load_universal` and re-slices it for its own stages and ranks: the trained weights,
     the AdamW moments and step. The mp_rank files it copies carry the LR schedule, the global step and
-    our client state (the data cursor).
+    our client state (the data cursor). It reads a view of the source without the pipeline layer
+    files (`link_conversion_input`: its Megatron-shaped layer map divides by zero when a source has
+    fewer decoder layer files than stages), so every preset and stage count converts alike.
   * ds_ttt's reassembly by spec index (layout.py): the pipeline layer files are copied as they are
     and every stage loads its layers from them before the universal load, so parameters the
     optimizer does not hold (frozen by ttt.trainable_scope) carry over too; a `stage_anchor` (the
@@ -40,9 +42,10 @@ torch.load(weights_only=False); the converted files they then read were written 
 
 The source must hold ZeRO partitions (zero_optimization.stage 1, every shipped config); a stage-0
 run is refused (DeepSpeed's universal conversion reads ZeRO files only). Tests:
-tests/unit/test_resume_checks.py (the refusals), tests/unit/test_layout_move_parts.py (the pieces),
-tests/e2e/test_layout_move.py (three moves against uninterrupted runs, an exact resume after each, a
-kill during the conversion).
+tests/unit/test_resume_checks.py (the refusals), tests/unit/test_layout_move_parts.py (the pieces, and
+the conversion of every preset x every accepted stage count), tests/e2e/test_layout_move.py (four moves,
+the main recipe's among them, against uninterrupted runs, an exact resume after each, a kill during the
+conversion).
 """
 
 from __future__ import annotations

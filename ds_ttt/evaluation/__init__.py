@@ -8,5 +8,7 @@
   intervals.py    Wilson intervals for rates, bootstrap intervals for token-weighted NLLs
   comparison.py   the fair comparison: held-out sets, per-model rows with intervals, paired differences
                   (evals/heldout_sets.py, evals/score_baseline.py, evals/baselines_report.py)
+  closed_loop.py  the agent acts on held-out tasks in a sandbox; verifier.py runs each task's test where
+                  the agent cannot have touched it; contamination.py compares a suite with the training corpus
 See docs/evaluation.md.
 """

@@ -6,7 +6,9 @@
     name, with the training trajectory it equals; the same world under another instruction is reported,
     not refused; instruction overlap is counted per kind; a clean suite passes;
   * `contaminated` answers for a TaskSpec-like object, for an (instruction, files) pair and for a task
-    directory.
+    directory;
+  * a prepared manifest contributes its train split only (the main job's `--train-only` extra episodes
+    included).
 
 Run: python -m pytest tests/unit/test_contamination.py
 """
@@ -20,7 +22,7 @@ import types
 import pytest
 
 from ds_ttt.data import generator
-from ds_ttt.data.cli import generate_main
+from ds_ttt.data.cli import generate_main, prepare_main
 from ds_ttt.evaluation.contamination import (build_training_index, contaminated, load_training_trajectories,
                                              regenerate_world)
 from ds_ttt.tasks.suite import SUITE_FILE, SUITE_FORMAT
@@ -122,3 +124,15 @@ def test_a_planted_training_episode_is_refused_by_name(corpus, tmp_path, capsys)
     write_suite_json(suite, [("test-reworded-000", "reworded", True), ("count-lines", "count_lines", False)])
     assert contamination_main(["--suite", str(suite), "--training", *map(str, corpus), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["clean"]
+
+
+def test_a_manifest_contributes_its_train_split(corpus, tmp_path):
+    from ds_ttt.data.manifest import load_manifest
+
+    raw, extra = corpus
+    assert prepare_main(["--inputs", str(raw / "trajectories.jsonl"), "--train-only", str(extra), "--out",
+                         str(tmp_path / "data"), "--test-fraction", "0.3"]) == 0
+    trajs, (source,) = load_training_trajectories([tmp_path / "data"])
+    train = load_manifest(tmp_path / "data").ids("train")
+    assert {t["id"] for t in trajs} == train and source["split"] == "train" and len(train) < 9
+    assert not build_training_index(trajs).not_regenerated

@@ -1,10 +1,14 @@
 """Put one model to work on the closed-loop task suite: episodes in sandboxes, scored by the tasks' tests.
 
     .venv/bin/python evals/agent_tasks.py --model RUN_OR_EXPORT --tasks TASKS --label NAME --out SCORED.json \
-        [--modes ttt frozen] [--attempts K --temperature T] [--max-rounds 12] [--max-new-tokens 256] [--concurrency 16]
+        [--modes ttt frozen] [--attempts K --temperature T] [--max-rounds 12] [--max-new-tokens 256] [--concurrency 16] \
+        [--train-seed S] [--dynamic-eval-from TTT_RUN [--inner inner_lr=0.3 --inner inner_max_norm=5]]
 
 Default modes: ttt and its frozen ablation for a TTT model, sft for a model without adaptive layers.
---dynamic-eval-from TTT_RUN: the control without meta-learning (ds_ttt/evaluation/dynamic_eval.py).
+--dynamic-eval-from TTT_RUN: the control without meta-learning (ds_ttt/evaluation/dynamic_eval.py);
+--inner KEY=VALUE overrides one of that run's inner-step settings (INNER_FIELDS, e.g. inner_lr, inner_max_norm).
+--train-seed: the model's training seed, written as `train_seed` (the report pools models over it).
+The SCORED file is written whole or not at all (a temporary file renamed), so a killed run leaves none.
 Greedy by default (pass@1); --attempts K with --temperature > 0 samples K episodes per task (pass@K).
 Prints one line per mode; evals/agent_tasks_report.py turns several SCORED files into the report.
 Details: ds_ttt/evaluation/closed_loop.py.
@@ -14,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
 
 def main(argv=None) -> int:
     from ds_ttt.evaluation.closed_loop import MODES, score_model_on_tasks
+    from ds_ttt.evaluation.dynamic_eval import DynamicEvalRecipe, parse_inner_overrides
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a training run (or checkpoint) or an export directory")
@@ -37,14 +43,27 @@ def main(argv=None) -> int:
     p.add_argument("--dynamic-eval-from", default=None, metavar="TTT_RUN",
                    help="dynamic evaluation: the SFT model at --model takes this TTT run's inner step at test time "
                         "on its own last layers' MLPs (mode ttt; frozen = the SFT model)")
+    p.add_argument("--inner", action="append", metavar="KEY=VALUE",
+                   help="with --dynamic-eval-from: override one of the TTT run's inner-step settings (repeatable)")
+    p.add_argument("--train-seed", type=int, default=None, help="the model's training seed (recorded for the report)")
     a = p.parse_args(argv)
+    if a.inner and not a.dynamic_eval_from:
+        p.error("--inner overrides dynamic evaluation's inner step: it needs --dynamic-eval-from")
+    try:
+        overrides = parse_inner_overrides(a.inner)
+    except ValueError as e:
+        p.error(str(e))
+    source = DynamicEvalRecipe(a.dynamic_eval_from, overrides) if a.dynamic_eval_from else None
     scored = score_model_on_tasks(a.model, a.tasks, label=a.label, modes=tuple(a.modes) if a.modes else None,
                                   attempts=a.attempts, temperature=a.temperature, concurrency=a.concurrency,
                                   seed=a.seed, max_rounds=a.max_rounds, max_new_tokens=a.max_new_tokens,
-                                  command_timeout=a.command_timeout, dynamic_eval_from=a.dynamic_eval_from)
+                                  command_timeout=a.command_timeout, dynamic_eval_from=source)
+    scored["train_seed"] = a.train_seed
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(scored) + "\n")
+    tmp = out.with_name(f".{out.name}.partial")
+    tmp.write_text(json.dumps(scored) + "\n")
+    os.replace(tmp, out)
     for mode, res in scored["modes"].items():
         r = res["row"]
         print(f"{a.label} {mode}: {r['metric']} {r['solved']}/{r['tasks']} = {100 * r['success']:.1f}% "

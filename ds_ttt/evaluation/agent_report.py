@@ -12,8 +12,13 @@ Paired differences (the same tasks for both rows; success is per task, pass@k wh
   * diff = success(a) - success(b), with a percentile bootstrap interval over tasks (both rows'
     outcomes resampled together, BOOTSTRAP_RESAMPLES, fixed seed);
   * the exact McNemar test on the discordant tasks (two-sided binomial p-value);
+  * a second interval that resamples kinds instead of tasks (kind_clustered_difference): the tasks of one
+    kind are near copies, so the task-level interval is too narrow;
 for the first model's headline row against every other row, and each TTT row against its frozen
-ablation.
+ablation. Every pair is labelled with its own rows' metric.
+Several training seeds (scored files carrying `train_seed`): rows and pairs per seed, and `pooled`, one
+entry per pair: {a, b, metric, seeds, diff (the mean over seeds), lo, hi (the kind-resampling interval,
+the same kinds drawn for every seed), wins (the seeds where a is ahead), per_seed}.
 """
 
 from __future__ import annotations
@@ -40,6 +45,41 @@ def mcnemar_exact_p(a_only: int, b_only: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def task_kinds(scored: dict) -> dict[str, str]:
+    """task id -> kind, from one scored model's episodes (every mode runs the same tasks)."""
+    return {e["task"]: e["kind"] for res in scored["modes"].values() for e in res["episodes"]}
+
+
+def kind_clustered_difference(pairs: list[tuple[dict[str, bool], dict[str, bool]]], kinds: dict[str, str], *,
+                              num_resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict:
+    """success(a) - success(b) averaged over seeds, with a bootstrap interval that resamples kinds.
+
+    `pairs`: one (a's outcomes, b's outcomes) per training seed, all on the tasks of `kinds` (task id ->
+    kind). The tasks of one kind are near copies (one generator, other seeds), so they are not independent
+    draws: a replicate draws the kinds with replacement (each drawn kind brings all its tasks) and
+    recomputes every seed's difference on those tasks, the same kinds for every seed, then their mean.
+    Percentile 95% interval over `num_resamples` replicates, fixed seed. One seed: that seed's
+    kind-clustered interval. Returns {seeds, tasks, kinds, diff, lo, hi, per_seed, wins}, wins = the
+    seeds whose difference is > 0."""
+    ids = sorted(kinds)
+    for a, b in pairs:
+        if set(a) != set(ids) or set(b) != set(ids):
+            raise ValueError("kind_clustered_difference: every pair must cover exactly the tasks of `kinds`")
+    names = sorted(set(kinds.values()))
+    kind_index = np.array([names.index(kinds[t]) for t in ids])
+    tasks_per_kind = np.bincount(kind_index, minlength=len(names)).astype(np.float64)
+    diff_sums_SK = np.stack([np.bincount(kind_index, weights=[float(a[t]) - float(b[t]) for t in ids],
+                                         minlength=len(names)) for a, b in pairs])
+    rng = np.random.default_rng(seed)
+    idx_RK = rng.integers(0, len(names), size=(num_resamples, len(names)))
+    replicates_SR = diff_sums_SK[:, idx_RK].sum(-1) / tasks_per_kind[idx_RK].sum(-1)
+    lo, hi = np.quantile(replicates_SR.mean(0), [0.025, 0.975])
+    per_seed = diff_sums_SK.sum(1) / tasks_per_kind.sum()
+    return {"seeds": len(pairs), "tasks": len(ids), "kinds": len(names), "diff": float(per_seed.mean()),
+            "lo": float(lo), "hi": float(hi), "per_seed": [float(d) for d in per_seed],
+            "wins": int((per_seed > 0).sum())}
+
+
 def paired_success_difference(a: dict[str, bool], b: dict[str, bool], *, num_resamples: int = BOOTSTRAP_RESAMPLES,
                               seed: int = BOOTSTRAP_SEED) -> dict:
     if set(a) != set(b):
@@ -56,34 +96,73 @@ def paired_success_difference(a: dict[str, bool], b: dict[str, bool], *, num_res
             "a_only": a_only, "b_only": b_only, "mcnemar_p": mcnemar_exact_p(a_only, b_only)}
 
 
-def build_report(scored: list[dict], *, command: str, seeds: dict, load: dict,
-                 pairs: list[tuple[str, str]] = ()) -> dict:
-    """`pairs`: more comparisons, each ("model/mode", "model/mode"), after the default ones (module docstring)."""
-    suites = {json.dumps(s["suite"], sort_keys=True) for s in scored}
-    if len(suites) != 1:
-        raise ValueError("build_report: the models were scored on different task suites")
-    rows, outcomes = [], {}
-    for s in scored:
-        if s.get("format") != SCORED_FORMAT:
-            raise ValueError(f"{s.get('label')}: format {s.get('format')!r}, expected {SCORED_FORMAT!r}")
-        for mode, res in s["modes"].items():
-            rows.append(dict(res["row"]))
-            outcomes[(s["label"], mode)] = res["outcomes"]
-    keys = list(outcomes)
+def _comparisons(keys: list[tuple[str, str]], pairs) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+    """The (a, b) row keys to compare: the first row against every other, each TTT row against its frozen
+    ablation, then `pairs` ("model/mode", "model/mode")."""
     todo = [(keys[0], k) for k in keys[1:]]
     todo += [((label, "ttt"), (label, "frozen")) for label, mode in keys
-             if mode == "ttt" and (label, "frozen") in outcomes and ((label, "ttt"), (label, "frozen")) not in todo]
+             if mode == "ttt" and (label, "frozen") in keys and ((label, "ttt"), (label, "frozen")) not in todo]
     for a, b in pairs:
         ka, kb = tuple(a.split("/", 1)), tuple(b.split("/", 1))
         for k in (ka, kb):
-            if k not in outcomes:
-                raise ValueError(f"pair {a} {b}: no row {'/'.join(k)}; rows: {['/'.join(x) for x in outcomes]}")
+            if k not in keys:
+                raise ValueError(f"pair {a} {b}: no row {'/'.join(k)}; rows: {['/'.join(x) for x in keys]}")
         if (ka, kb) not in todo:
             todo.append((ka, kb))
-    paired = [{"a": f"{a[0]}/{a[1]}", "b": f"{b[0]}/{b[1]}", "metric": rows[0]["metric"],
-               **paired_success_difference(outcomes[a], outcomes[b])} for a, b in todo]
-    return {"format": REPORT_FORMAT, "suite": scored[0]["suite"], "rows": rows, "paired": paired,
-            "command": command, "seeds": seeds, "load": load}
+    return todo
+
+
+def _pair_metric(metric_a: str, metric_b: str) -> str:
+    """A pair's own metric label (pass@1, or "pass@1 vs pass@4" when its rows differ)."""
+    return metric_a if metric_a == metric_b else f"{metric_a} vs {metric_b}"
+
+
+def build_report(scored: list[dict], *, command: str, seeds: dict, load: dict,
+                 pairs: list[tuple[str, str]] = (), sweeps: list[dict] = ()) -> dict:
+    """`pairs`: more comparisons, each ("model/mode", "model/mode"), after the default ones (module docstring).
+
+    Several training seeds: the scored files are grouped by their `train_seed` (evals/agent_tasks.py
+    --train-seed; None = one group), every seed must have the same rows. Rows and paired differences
+    are per seed (each row and pair carries `seed`; pairs also `kinds_lo`/`kinds_hi`, the interval that
+    resamples kinds); `pooled` holds each pair over all seeds (kind_clustered_difference: mean diff, the
+    kind-resampling interval, `wins`). `sweeps`: the dev sweeps of dynamic evaluation's inner step
+    (evals/dynamic_eval_sweep.py), kept as they are and shown in the markdown."""
+    suites = {json.dumps(s["suite"], sort_keys=True) for s in scored}
+    if len(suites) != 1:
+        raise ValueError("build_report: the models were scored on different task suites")
+    rows, outcomes, metrics = [], {}, {}
+    for s in scored:
+        if s.get("format") != SCORED_FORMAT:
+            raise ValueError(f"{s.get('label')}: format {s.get('format')!r}, expected {SCORED_FORMAT!r}")
+        train_seed = s.get("train_seed")
+        for mode, res in s["modes"].items():
+            if (train_seed, s["label"], mode) in outcomes:
+                raise ValueError(f"{s['label']}/{mode} of training seed {train_seed} is given twice")
+            rows.append(dict(res["row"], seed=train_seed))
+            outcomes[(train_seed, s["label"], mode)] = res["outcomes"]
+            metrics[(train_seed, s["label"], mode)] = res["row"]["metric"]
+    seed_order = list(dict.fromkeys(k[0] for k in outcomes))
+    keys_of = {t: [k[1:] for k in outcomes if k[0] == t] for t in seed_order}
+    keys = keys_of[seed_order[0]]
+    for t in seed_order[1:]:
+        if sorted(keys_of[t]) != sorted(keys):
+            raise ValueError(f"build_report: training seed {t} has rows {sorted(keys_of[t])}, seed {seed_order[0]} "
+                             f"has {sorted(keys)}; pool seeds with the same rows")
+    todo = _comparisons(keys, pairs)
+    kinds = task_kinds(scored[0])
+    paired, pooled = [], []
+    for a, b in todo:
+        label = {"a": f"{a[0]}/{a[1]}", "b": f"{b[0]}/{b[1]}",
+                 "metric": _pair_metric(metrics[(seed_order[0], *a)], metrics[(seed_order[0], *b)])}
+        for t in seed_order:
+            one = kind_clustered_difference([(outcomes[(t, *a)], outcomes[(t, *b)])], kinds)
+            paired.append({"seed": t, **label, **paired_success_difference(outcomes[(t, *a)], outcomes[(t, *b)]),
+                           "kinds_lo": one["lo"], "kinds_hi": one["hi"]})
+        over = kind_clustered_difference([(outcomes[(t, *a)], outcomes[(t, *b)]) for t in seed_order], kinds)
+        pooled.append({**label, "seeds": seed_order, **{k: over[k] for k in ("diff", "lo", "hi", "wins", "per_seed",
+                                                                               "kinds", "tasks")}})
+    return {"format": REPORT_FORMAT, "suite": scored[0]["suite"], "rows": rows, "paired": paired, "pooled": pooled,
+            "dynamic_eval_sweep": list(sweeps), "command": command, "seeds": seeds, "load": load}
 
 
 def _pct(x, lo=None, hi=None) -> str:
@@ -96,6 +175,7 @@ def _pct(x, lo=None, hi=None) -> str:
 def markdown(report: dict) -> str:
     suite = report["suite"]
     families = sorted({f for r in report["rows"] for f in r["per_family"]})
+    many_seeds = len({r.get("seed") for r in report["rows"]}) > 1
     out = [f"# Closed-loop held-out tasks ({suite['split']} split, {suite['num_tasks']} tasks, {len(suite['kinds'])} kinds)",
            "",
            "Each episode: the model acts with its own actions in a bubblewrap shell until it answers or hits the "
@@ -103,24 +183,57 @@ def markdown(report: dict) -> str:
            "Wilson 95% interval; paired differences on the same tasks (bootstrap 95% interval, exact McNemar p).",
            "", f"Command: `{report['command']}`", f"Seeds: `{json.dumps(report['seeds'])}`; load average "
            f"{report['load'].get('start')} at start, {report['load'].get('end')} at end.", "",
-           "| model | mode | metric | tasks | success | seen kinds | unseen kinds | "
-           + " | ".join(families) + " | mean rounds | stops | seconds |",
-           "|" + "---|" * (10 + len(families))]
+           "| " + ("seed | " if many_seeds else "") + "model | mode | metric | tasks | success | seen kinds | "
+           "unseen kinds | " + " | ".join(families) + " | mean rounds | stops | seconds |",
+           "|" + "---|" * (10 + len(families) + many_seeds)]
     for r in report["rows"]:
         fam = [f"{r['per_family'][f]['solved']}/{r['per_family'][f]['n']}" if f in r["per_family"] else "-"
                for f in families]
         stops = ", ".join(f"{k} {v}" for k, v in r["stops"].items())
         secs = f"{r['seconds']:.0f}" if r.get("seconds") is not None else "-"
-        out.append(f"| {r['model']} | {r['mode']} | {r['metric']} | {r['tasks']} | {r['solved']}/{r['tasks']} = "
+        out.append((f"| {r.get('seed')} " if many_seeds else "") + f"| {r['model']} | {r['mode']} | {r['metric']} | {r['tasks']} | {r['solved']}/{r['tasks']} = "
                    f"{_pct(r['success'], r['success_lo'], r['success_hi'])} | {r['seen']['solved']}/{r['seen']['n']} | "
                    f"{r['unseen']['solved']}/{r['unseen']['n']} | " + " | ".join(fam)
                    + f" | {r['mean_rounds']:.1f} | {stops} | {secs} |")
-    out += ["", "Paired differences (a − b, success on the same tasks):", "",
-            "| a | b | tasks | diff [95%] | a only | b only | McNemar p |", "|---|---|---|---|---|---|---|"]
+    out += ["", "Paired differences (a − b, success on the same tasks; 95% intervals resampling tasks, and "
+            "resampling kinds with all their tasks: the tasks of one kind are near copies, not independent):", "",
+            "| " + ("seed | " if many_seeds else "") + "a | b | metric | tasks | diff | [95%, tasks] | [95%, kinds] | "
+            "a only | b only | McNemar p |", "|" + "---|" * (10 + many_seeds)]
     for p in report["paired"]:
-        out.append(f"| {p['a']} | {p['b']} | {p['tasks']} | {p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] | "
+        kinds_ci = f"[{p['kinds_lo']:+.3f}, {p['kinds_hi']:+.3f}]" if "kinds_lo" in p else "-"
+        out.append((f"| {p.get('seed')} " if many_seeds else "") + f"| {p['a']} | {p['b']} | {p['metric']} | "
+                   f"{p['tasks']} | {p['diff']:+.3f} | [{p['lo']:+.3f}, {p['hi']:+.3f}] | {kinds_ci} | "
                    f"{p['a_only']} | {p['b_only']} | {p['mcnemar_p']:.3g} |")
+    out += pooled_markdown(report)
     return "\n".join(out) + "\n"
+
+
+def pooled_markdown(report: dict) -> list[str]:
+    """The pooled table (each pair's mean difference over training seeds) and the dev sweeps of dynamic
+    evaluation's inner step, as markdown lines (none for a report without them)."""
+    out = []
+    if report.get("pooled"):
+        seeds = report["pooled"][0]["seeds"]
+        out += ["", f"Pooled over training seeds {', '.join(map(str, seeds))}: the mean of the per-seed differences; "
+                "95% interval resampling the kinds (all tasks of a drawn kind, the same draw for every seed); "
+                "wins = the seeds where a is ahead.", "",
+                "| a | b | metric | seeds | kinds | mean diff [95%, kinds] | per seed | wins |",
+                "|---|---|---|---|---|---|---|---|"]
+        for p in report["pooled"]:
+            per_seed = ", ".join(f"{d:+.3f}" for d in p["per_seed"])
+            out.append(f"| {p['a']} | {p['b']} | {p['metric']} | {len(p['seeds'])} | {p['kinds']} | "
+                       f"{p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] | {per_seed} | {p['wins']}/{len(p['seeds'])} |")
+    if report.get("dynamic_eval_sweep"):
+        out += ["", "Dynamic evaluation's inner step, tuned per SFT model and seed on the dev task suite (success "
+                "in mode ttt; the pick: best success, ties to the smaller lr, then the smaller clip norm):", "",
+                "| model | seed | dev tasks | " + " | ".join(
+                    f"lr {g['inner_lr']:g}, norm {g['inner_max_norm']:g}" for g in report["dynamic_eval_sweep"][0]["grid"])
+                + " | chosen |", "|" + "---|" * (4 + len(report["dynamic_eval_sweep"][0]["grid"]))]
+        for sw in report["dynamic_eval_sweep"]:
+            cells = " | ".join(f"{g['solved']}/{g['tasks']}" for g in sw["grid"])
+            out.append(f"| {sw['label']} | {sw['seed']} | {sw['grid'][0]['tasks']} | {cells} | "
+                       f"lr {sw['chosen']['inner_lr']:g}, norm {sw['chosen']['inner_max_norm']:g} |")
+    return out
 
 
 def write_plot(report: dict, path) -> None:
@@ -132,7 +245,8 @@ def write_plot(report: dict, path) -> None:
     rows = report["rows"]
     families = sorted({f for r in rows for f in r["per_family"]})
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [1, 2]})
-    labels = [f"{r['model']}\n{r['mode']}" for r in rows]
+    many_seeds = len({r.get("seed") for r in rows}) > 1
+    labels = [f"{r['model']}\n{r['mode']}" + (f" seed {r.get('seed')}" if many_seeds else "") for r in rows]
     colors = ["#bbbbbb" if r["mode"] == "frozen" else ("#1f77b4" if r["mode"] == "ttt" else "#ff7f0e") for r in rows]
     vals = [r["success"] or 0.0 for r in rows]
     err = [[max(0.0, v - (r["success_lo"] or 0)) for v, r in zip(vals, rows)],

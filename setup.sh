@@ -19,6 +19,14 @@ if ! command -v bwrap >/dev/null 2>&1; then
     exit 1
   fi
 fi
+# iproute2: the two-node test makes each node a network namespace (tests/e2e/test_multinode.py)
+if ! command -v ip >/dev/null 2>&1 && [ ! -x /usr/sbin/ip ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq iproute2
+  else
+    echo "[setup] ip not found: the two-node test skips without it (sudo apt-get install iproute2)" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

@@ -76,8 +76,8 @@ def verify_task(task: Task) -> dict:
         with Sandbox(timeout=30.0, dirs=AGENT_DIRS) as sb:
             sb.add_tree(task.environment)
             if script is not None:
-                sb.put(script.encode(), "/tests/solve.sh", 0o755)
-                sb.run("bash /tests/solve.sh")
+                sb.put(script.encode(), "/tmp/solve.sh", 0o755)  # not in /tests: the verifier discards that
+                sb.run("bash /tmp/solve.sh")
             out[name], out[f"{name}_log"] = score_outcome(sb, task, None if script is not None else "")
     out["valid"] = out["oracle"] and not out["nop"]
     return out
@@ -106,10 +106,9 @@ def run_episode(agent, engine, task: Task, *, mode: str, attempt: int = 0, tempe
                 calls = message.get("tool_calls") or []
                 invalid = message.get("invalid_tool_calls") or []
                 if not calls and not invalid:
-                    truncated = bool(message.get("truncated"))
-                    answer = final_answer(message.get("content"), truncated=truncated)
-                    unfinished = reply_is_unfinished(message.get("content") or "", truncated=truncated)
-                    res.stop = "truncated" if unfinished else "answer"
+                    content, truncated = message.get("content") or "", bool(message.get("truncated"))
+                    answer = final_answer(content, truncated=truncated)
+                    res.stop = "truncated" if reply_is_unfinished(content, truncated=truncated) else "answer"
                     break
                 res.actions += [c.get("function", c).get("arguments") for c in calls]
                 outputs = [tools.execute(c) for c in calls] + [f"[error: invalid tool call: {b['error']}]" for b in invalid]

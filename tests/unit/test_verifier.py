@@ -44,9 +44,9 @@ HOSTILE_POLICIES = {
                     "chmod 444 /logs/verifier/reward.txt && chmod 555 /logs/verifier",
     "reward_loop": "mkdir -p /logs/verifier; (while :; do echo 1 > /logs/verifier/reward.txt; sleep 0.01; done) "
                    ">/dev/null 2>&1 &",
-    "links": f"mkdir -p /tmp/v && echo 1 > /tmp/v/reward.txt && chmod 444 /tmp/v/reward.txt && chmod 555 /tmp/v && "
-             f"rm -rf /logs/verifier && ln -s /tmp/v /logs/verifier && {PLANTED_TEST} > /app/.t && chmod 555 /app/.t && "
-             "mkdir -p /tests && ln -sf /app/.t /tests/test.sh",
+    "links": "mkdir -p /tmp/v && echo 1 > /tmp/v/reward.txt && chmod 444 /tmp/v/reward.txt && chmod 555 /tmp/v && "
+             "rm -rf /logs/verifier && ln -s /tmp/v /logs/verifier && "
+             f"{PLANTED_TEST} > /app/.t && chmod 555 /app/.t && mkdir -p /tests && ln -sf /app/.t /tests/test.sh",
     "shell_functions": "exec() { echo 1; }",
 }
 
@@ -148,7 +148,8 @@ def test_a_truncated_final_reply_writes_an_empty_answer(tmp_path, monkeypatch):
     import ds_ttt.serve.session as session_module
 
     monkeypatch.setattr(session_module, "AgentSession", _ScriptedSession)
-    cut = parse_assistant_message('<think>count</think>\n<tool_call>\n{"name": "bash", "arguments": {"command": "echo 3')
+    cut = parse_assistant_message('<think>count</think>\n<tool_call>\n'
+                                  '{"name": "bash", "arguments": {"command": "echo 3')
     for message, solved, stop in ((dict(cut, truncated=True), False, "truncated"), (cut, False, "truncated"),
                                   ({"role": "assistant", "content": "It has 3 lines."}, True, "answer")):
         _ScriptedSession.message = message

@@ -29,7 +29,7 @@ import pathlib
 
 import numpy as np
 
-from ds_ttt.evaluation.intervals import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED
+from ds_ttt.evaluation.intervals import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, wilson_interval
 
 REPORT_FORMAT = "ds_ttt-agent-tasks-v1"
 SCORED_FORMAT = "ds_ttt-agent-tasks-model-v1"
@@ -94,6 +94,24 @@ def paired_success_difference(a: dict[str, bool], b: dict[str, bool], *, num_res
     a_only, b_only = int(((xa == 1) & (xb == 0)).sum()), int(((xa == 0) & (xb == 1)).sum())
     return {"tasks": len(ids), "diff": float(xa.mean() - xb.mean()), "lo": float(lo), "hi": float(hi),
             "a_only": a_only, "b_only": b_only, "mcnemar_p": mcnemar_exact_p(a_only, b_only)}
+
+
+def success_by_observation(row: dict, kinds: dict) -> dict:
+    """A row's success split by whether its kinds need the observation (suite.json's per-kind
+    `needs_observation`, ds_ttt/tasks/blind_policies.py: False = a blind replay of another instance's
+    solution solves some task of it): {"needs_observation" | "fixed_script" | "unmeasured": {n, solved,
+    rate, lo, hi}} (Wilson 95%), from the row's per_kind counts."""
+    group = {True: "needs_observation", False: "fixed_script", None: "unmeasured"}
+    counts: dict[str, list[int]] = {}
+    for kind, r in row["per_kind"].items():
+        c = counts.setdefault(group[kinds[kind].get("needs_observation")], [0, 0])
+        c[0] += r["n"]
+        c[1] += r["solved"]
+    out = {}
+    for name, (n, solved) in counts.items():
+        lo, hi = wilson_interval(solved, n)
+        out[name] = {"n": n, "solved": solved, "rate": solved / n if n else None, "lo": lo, "hi": hi}
+    return out
 
 
 def _comparisons(keys: list[tuple[str, str]], pairs) -> list[tuple[tuple[str, str], tuple[str, str]]]:

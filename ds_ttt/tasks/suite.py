@@ -6,7 +6,9 @@
 
 Layout (Harbor's own task layout, one directory per task; `harbor run -p TASKS` runs them all):
 
-    TASKS/suite.json                     what was built: split, seeds, per-task kind/family/seen/check
+    TASKS/suite.json                     what was built: split, seeds, per-task kind/family/seen/check, the
+                                         blind-policy gate and replay results (blind_policies.py): per task
+                                         and per kind `needs_observation`, per kind `replay_rate`, `guess`
     TASKS/<id>/task.toml                 [metadata] ds_ttt_kind, ds_ttt_family, ds_ttt_seen, ds_ttt_check, ...
     TASKS/<id>/instruction.md            the instruction, exactly as the agent gets it
     TASKS/<id>/environment/...           the setup files (copied into the workdir /app, modes kept)
@@ -16,8 +18,15 @@ Layout (Harbor's own task layout, one directory per task; `harbor run -p TASKS` 
 Seeds: instance i of kind K is drawn from Random(f"task:K:{base + i}") with base TASK_SEEDS[split]
 (test 6,000,000+, dev 5,000,000+): apart from each other, from the training corpus (seeds 0, 1, ...)
 and from the teacher-forced held-out sets (1-4 million). A draw that gives no checkable task (an
-expert episode that ends in failure) is redrawn with an attempt suffix, deterministically. Choose
-settings on dev, report on test.
+expert episode that ends in failure) is redrawn with an attempt suffix, deterministically; so is a draw
+whose expected answer a blind guess gives: one of GUESS_CONSTANTS or the kind's `guess`, its most common
+expected answer over GUESS_DRAWS draws on seeds GUESS_SEED_BASE+ (7,000,000+, apart from both splits).
+So the small counts 0 and 1 and each kind's most common value are never an answer (a count of 1 TODO,
+say, is redrawn): the constant-answer blind policies fail every task by construction. Choose settings
+on dev, report on test.
+write_suite(..., check_blind=blind_policies.check_suite) runs the blind policies and the replays on the
+written tasks (evals/task_suite.py and the tests pass it): it refuses the suite, naming task and policy,
+when any blind policy passes any task, and records which tasks and kinds need the observation.
 The environments are plain files: run them with the project's sandbox environment
 (`--env ds_ttt.serve.harbor_env:SandboxEnvironment`), which copies environment/ into /app.
 """
@@ -29,15 +38,20 @@ import json
 import random
 import shutil
 import tomllib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from ds_ttt.tasks.checks import test_script
+from ds_ttt.tasks.checks import expected_answers, test_script
 from ds_ttt.tasks.kinds import KINDS, NoTask, TaskSpec, solution_script
 
-SUITE_FORMAT = "ds_ttt-task-suite-v1"
+SUITE_FORMAT = "ds_ttt-task-suite-v2"
 TASK_SEEDS = {"test": 6_000_000, "dev": 5_000_000}
 MAX_ATTEMPTS = 20
+GUESS_CONSTANTS = ("0", "1", "yes", "no")
+GUESS_SEED_BASE = 7_000_000
+GUESS_DRAWS = 24
 SUITE_FILE = "suite.json"
 
 
@@ -52,6 +66,9 @@ class Task:
     check: str  # "state" (the files) or "answer" (the final reply; ds_ttt/tasks/checks.py)
     seed: int
     path: Path
+    answers: tuple[str, ...] = ()  # the expected answer values (checks.Check.expected)
+    answer_files: tuple[str, ...] = ()  # where the instruction asks for them, if in files
+    needs_observation: bool | None = None  # None: a suite written without the replay check
 
     @property
     def instruction(self) -> str:
@@ -66,15 +83,31 @@ class Task:
         return (self.path / "tests" / "test.sh").read_text()
 
 
-def build_task(kind: str, seed: int) -> TaskSpec:
-    """The task of `kind` for `seed` (redrawn deterministically while a draw gives no checkable task)."""
+def build_task(kind: str, seed: int, guesses: frozenset[str] = frozenset()) -> TaskSpec:
+    """The task of `kind` for `seed`, redrawn deterministically while a draw gives no checkable task or
+    an expected answer that is one of `guesses`."""
     for attempt in range(MAX_ATTEMPTS):
         rng = random.Random(f"task:{kind}:{seed}" + (f":{attempt}" if attempt else ""))
         try:
-            return KINDS[kind].build(rng)
+            spec = KINDS[kind].build(rng)
         except NoTask:
             continue
-    raise RuntimeError(f"{kind} seed {seed}: no checkable task in {MAX_ATTEMPTS} draws")
+        if not guesses.intersection(expected_answers(spec.checks)):
+            return spec
+    raise RuntimeError(f"{kind} seed {seed}: no checkable, unguessable task in {MAX_ATTEMPTS} draws")
+
+
+def common_answer(kind: str, num_draws: int = GUESS_DRAWS) -> str | None:
+    """The kind's most common expected answer, GUESS_CONSTANTS aside, over `num_draws` draws on the guess
+    seeds (ties: the smallest string): the guess of a blind policy that knows the kind; None: no answers."""
+    constants = frozenset(GUESS_CONSTANTS)
+    counts = Counter(a for i in range(num_draws)
+                     for a in expected_answers(build_task(kind, GUESS_SEED_BASE + i, constants).checks))
+    return min(counts, key=lambda a: (-counts[a], a)) if counts else None
+
+
+def task_guesses(guess: str | None) -> frozenset[str]:
+    return frozenset(GUESS_CONSTANTS) | ({guess} if guess is not None else set())
 
 
 def _task_toml(task_id: str, kind: str, seed: int, split: str, check: str) -> str:
@@ -88,8 +121,8 @@ def _task_toml(task_id: str, kind: str, seed: int, split: str, check: str) -> st
             '[environment]\nworkdir = "/app"\n')
 
 
-def write_task(root: Path, task_id: str, kind: str, seed: int, split: str) -> dict:
-    spec = build_task(kind, seed)
+def write_task(root: Path, task_id: str, kind: str, seed: int, split: str, guesses: frozenset[str]) -> dict:
+    spec = build_task(kind, seed, guesses)
     check = "answer" if any(c.reads_answer for c in spec.checks) else "state"
     d = root / task_id
     (d / "environment").mkdir(parents=True)
@@ -107,12 +140,22 @@ def write_task(root: Path, task_id: str, kind: str, seed: int, split: str) -> di
         p.chmod(0o755)
     k = KINDS[kind]
     return {"id": task_id, "kind": kind, "family": k.family, "seen": k.seen, "check": check, "seed": seed,
-            "expert_rounds": len(spec.solution)}
+            "expert_rounds": len(spec.solution), "answers": expected_answers(spec.checks),
+            "answer_files": [c.path for c in spec.checks if c.path is not None]}
+
+
+def _task(root: Path, t: dict) -> Task:
+    return Task(t["id"], t["kind"], t["family"], t["seen"], t["check"], t["seed"], root / t["id"],
+                tuple(t.get("answers", ())), tuple(t.get("answer_files", ())), t.get("needs_observation"))
 
 
 def write_suite(out_dir: str | Path, *, split: str = "test", num_per_kind: int = 12, kinds: list[str] | None = None,
-                progress: bool = True) -> dict:
-    """Write the suite (refuses an existing non-empty directory); returns its suite.json."""
+                progress: bool = True, guess_draws: int = GUESS_DRAWS,
+                check_blind: Callable[[list[Task], dict], dict] | None = None) -> dict:
+    """Write the suite (refuses an existing non-empty directory); returns its suite.json.
+    check_blind(tasks, guesses) -> {"tasks": {id: fields}, "kinds": {kind: fields}} (blind_policies.check_suite)
+    raises when a blind policy passes a task: the directory is removed and nothing is written. Without
+    it the suite records needs_observation as None (unmeasured)."""
     if split not in TASK_SEEDS:
         raise ValueError(f"split must be one of {sorted(TASK_SEEDS)}, got {split!r}")
     out = Path(out_dir)
@@ -122,6 +165,7 @@ def write_suite(out_dir: str | Path, *, split: str = "test", num_per_kind: int =
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         raise ValueError(f"unknown task kinds {unknown}; known: {sorted(KINDS)}")
+    guess = {k: common_answer(k, guess_draws) for k in kinds}
     out.mkdir(parents=True, exist_ok=True)
     base = TASK_SEEDS[split]
     jobs = [(kind, base + i) for i in range(num_per_kind) for kind in kinds]
@@ -132,15 +176,31 @@ def write_suite(out_dir: str | Path, *, split: str = "test", num_per_kind: int =
         bar = tqdm(total=len(jobs), desc=f"tasks ({split})", unit="task")
     tasks = []
     for kind, seed in jobs:
-        tasks.append(write_task(out, f"{split}-{kind}-{seed - base:03d}", kind, seed, split))
+        tasks.append(write_task(out, f"{split}-{kind}-{seed - base:03d}", kind, seed, split, task_guesses(guess[kind])))
         bar and bar.update(1)
     bar and bar.close()
+    kind_info = {k: {"family": KINDS[k].family, "seen": KINDS[k].seen, "guess": guess[k], "needs_observation": None}
+                 for k in kinds}
+    for t in tasks:
+        t["needs_observation"] = None
+    found = {}
+    if check_blind is not None:
+        try:
+            found = check_blind([_task(out, t) for t in tasks], guess)
+        except BaseException:
+            shutil.rmtree(out)
+            raise
+        for t in tasks:
+            t.update(found["tasks"][t["id"]])
+        for k in kinds:
+            kind_info[k].update(found["kinds"][k])
     digest = hashlib.sha256()
     for p in sorted(out.rglob("*")):
         if p.is_file():
             digest.update(str(p.relative_to(out)).encode() + b"\0" + p.read_bytes() + b"\0")
     suite = {"format": SUITE_FORMAT, "split": split, "seed_base": base, "num_per_kind": num_per_kind,
-             "kinds": {k: {"family": KINDS[k].family, "seen": KINDS[k].seen} for k in kinds},
+             "guess_draws": guess_draws, "blind_checked": check_blind is not None,
+             "blind_policies": found.get("policies"), "kinds": kind_info,
              "num_tasks": len(tasks), "sha256": digest.hexdigest(), "tasks": tasks}
     (out / SUITE_FILE).write_text(json.dumps(suite, indent=1) + "\n")
     return suite
@@ -161,7 +221,7 @@ def load_suite(path: str | Path) -> tuple[dict, list[Task]]:
         cfg = tomllib.loads((d / "task.toml").read_text())["metadata"]
         if cfg.get("ds_ttt_kind") != t["kind"]:
             raise ValueError(f"{d / 'task.toml'}: ds_ttt_kind {cfg.get('ds_ttt_kind')!r} but {meta_path} says {t['kind']!r}")
-        tasks.append(Task(t["id"], t["kind"], t["family"], t["seen"], t["check"], t["seed"], d))
+        tasks.append(_task(root, t))
     return meta, tasks
 
 
@@ -174,4 +234,5 @@ def copy_tasks(suite_dir: str | Path, out_dir: str | Path, ids: list[str]) -> Pa
     return out
 
 
-__all__ = ["SUITE_FORMAT", "TASK_SEEDS", "Task", "build_task", "write_suite", "load_suite", "copy_tasks"]
+__all__ = ["GUESS_CONSTANTS", "SUITE_FORMAT", "TASK_SEEDS", "Task", "build_task", "common_answer", "write_suite",
+           "load_suite", "copy_tasks"]

@@ -30,7 +30,7 @@ weights that moved by an AdamW step whose gradient differs by that much; AdamW n
 fp32 sums. LOSS_RTOL = 2 N eps = 16 u (eps = 2**-23) covers both with margin; the measured differences are
 printed (pytest -s) and were <= 8.0e-8 relative (see docs/training.md).
 
-    python -m pytest tests/e2e/test_layout_move.py     (eleven launches on 2 or 4 CPU ranks, ~7 CPU-minutes)
+    python -m pytest tests/e2e/test_layout_move.py     (eleven launches on 2 or 4 CPU ranks, ~4.5 CPU-minutes)
 """
 
 from __future__ import annotations

@@ -12,14 +12,14 @@ through which the host's own commands (`run_fresh`, `put`, `read`) are sent: a s
 `exec` or `cd` defined by the agent runs in place of the host's command, so `read(reward)` can print
 "1" without the test ever running. So the test never runs there:
 
-  1. snapshot: each writable directory of the agent's sandbox (`sb.mounts`: the workdir, HOME, /tmp,
-     /var/tmp, /logs, ...) as a tar archive, except the FRESH ones (the test's and the reward's);
+  1. snapshot: the writable directories of the agent's sandbox (`sb.mounts`: the workdir, HOME, /tmp,
+     /var/tmp, /logs, /tests, ...) as one tar archive;
   2. kill: `sb.close()` kills every process of the sandbox (its PID namespace ends with its PID 1) and
      removes its cgroup (which also kills what left the process tree); its mounts go with it;
   3. seal: a new sandbox with the same mounts and limits, whose shell has only ever run the host's
-     commands; the archives are unpacked into their mounts (`tar -x` as the sandbox's uid, inside it:
-     at worst they add files the agent could have written itself), then each FRESH directory is
-     removed and made again, empty (one that is a mount of its own is empty already: never restored);
+     commands; the archive is unpacked into its mounts (`tar -x` as the sandbox's uid, inside it: at
+     worst it adds files the agent could have written itself), then each FRESH directory (the test's
+     and the reward's) is removed with all it holds and made again, empty;
   4. the test is written to TEST_PATH and read back, byte for byte equal to the task's, or the episode
      fails; the answer (when given) is written to ANSWER_PATH; the reward file must be absent;
   5. the test runs (`bash TEST_PATH`, cwd /app, the sandbox's fixed environment); reward == 1 is success.
@@ -43,6 +43,7 @@ import tarfile
 from pathlib import PurePosixPath
 
 from ds_ttt.sandbox import Sandbox, SandboxError
+from ds_ttt.sandbox.shell import MAX_TRANSFER_BYTES
 from ds_ttt.tasks.checks import ANSWER_PATH, REWARD_PATH, WORKDIR
 
 TEST_PATH = "/tests/test.sh"
@@ -86,43 +87,43 @@ def seal(sb: Sandbox, *, fresh: tuple[str, ...] = FRESH_DIRS, notes: list[str] |
     Raises VerificationError (with `sb` closed) when the agent's files cannot be carried over."""
     notes = notes if notes is not None else []
     new = None
-    archives: dict[str, bytes] = {}
     try:
         if sb.isolation == "none":  # its paths are host paths: /tests would be this machine's
             raise VerificationError("the verifier needs an isolated sandbox (isolation='none' was used)")
         new = _sandbox_like(sb)  # unstarted; made while `sb`'s settings (keep) are still its own
-        dropped = []
-        for mount in sb.mounts:
-            data = sb.get_tree(mount)
-            dropped += [p for p in (posixpath.normpath(f"{mount}/{n}") for n in _member_names(data))
-                        if any(_within(p, d) and p != d for d in fresh)]
-            if not any(_within(mount, d) for d in fresh):
-                archives[mount] = data
+        # one archive of every mount, named from / (one request: each costs tens of ms)
+        names = " ".join(shlex.quote(m.lstrip("/")) for m in sb.mounts)
+        res = sb.run_fresh(f"tar -c -C / -- {names}", cwd="/", timeout=VERIFIER_TIMEOUT_SEC,
+                           max_output_bytes=MAX_TRANSFER_BYTES)
+        if res.exit_code != 0 or res.output_truncated:
+            raise VerificationError(f"tar exited {res.exit_code}: {res.stderr.strip()[:500]}")
+        archive = res.raw
+        dropped = [p for p in ("/" + posixpath.normpath(n).lstrip("/") for n in _member_names(archive))
+                   if any(_within(p, d) and p != d for d in fresh)]
         if dropped:
             notes.append(f"[verifier: discarded what the agent left in {' and '.join(fresh)}: {', '.join(dropped[:10])}"
                          + (f" (+{len(dropped) - 10} more)]" if len(dropped) > 10 else "]"))
     except (SandboxError, tarfile.TarError, VerificationError) as e:
         if new is not None:
             new.close()
-        raise VerificationError(f"the agent's files could not be carried over: {e}") from e
+        reason = "what came back is no tar archive" if isinstance(e, tarfile.TarError) else str(e)
+        raise VerificationError(f"the agent's files could not be carried over: {reason}") from e
     finally:
         sb.close()  # every process of the agent: killed here, before anything of the verifier runs
         # its BASE is gone: the caller's own close() (a `with` block) must not remove it again, since
         # removing a missing tree makes files.remove_tree chmod its parent (the shared /tmp) to 0700
         sb.keep = True
     try:
-        for mount, data in archives.items():
-            res = new.put_tree(data, mount)
-            if res.exit_code != 0:
-                raise VerificationError(f"the agent's files could not be restored into {mount}: "
-                                        f"{res.stderr.strip()[:500]}")
+        res = new.put_tree(archive, "/")  # into the same mounts; whatever lands in a FRESH one is removed below
+        if res.exit_code != 0:
+            raise VerificationError(f"the agent's files could not be restored: {res.stderr.strip()[:500]}")
         q = " ".join(shlex.quote(d) for d in fresh)
-        # a FRESH directory inside a restored mount is removed with whatever is in it; one that is a mount
-        # of its own was never restored (`rm -rf` of a mount point empties it and fails: hence `find`)
+        # each FRESH directory is made writable (the agent may have made it read-only) and removed with
+        # whatever is in it; one that is a mount is emptied (`rm -rf` of a mount point fails: hence `find`)
         res = new.run_fresh(
             f"for d in {q}; do "
-            'if mountpoint -q "$d" 2>/dev/null; then find "$d" -mindepth 1 -delete; '
-            'else { [ -L "$d" ] || chmod -R u+rwX -- "$d"; } 2>/dev/null; rm -rf -- "$d"; fi; '
+            '{ [ -L "$d" ] || chmod -R u+rwX -- "$d"; } 2>/dev/null; '
+            'if mountpoint -q "$d" 2>/dev/null; then find "$d" -mindepth 1 -delete; else rm -rf -- "$d"; fi; '
             'mkdir -p -- "$d" || exit 1; [ -d "$d" ] && [ ! -L "$d" ] && [ -z "$(ls -A -- "$d")" ] || exit 1; done',
             cwd="/", timeout=VERIFIER_TIMEOUT_SEC)
         if res.exit_code != 0:

@@ -11,7 +11,8 @@ with GLOO_SOCKET_IFNAME=ttt0 (the veth end on each node). 2 nodes x 1 CPU rank (
   A  the two-node run: every rank joins over the node addresses (master node0's ttt0 address, interface
      ttt0 with the node's own address, never loopback); metrics for steps 1-4;
   R  a node-local --output (each node's own folder bind-mounted at the same path): refused at startup
-     on every node, naming node1, whose marker node0 cannot see; nothing trained;
+     on every node, naming node1, whose marker node0 cannot see; nothing trained. node1 starts first
+     and prints who it waits for ("waiting for master ADDR:PORT (rank 0) ... 10 s") until node0 comes;
   K  a node lost mid-run: in step 3 (once `latest` names step 2) node1's cable is cut and every
      process of node1 SIGKILLed (no FIN, no RST reaches node0, as when a machine dies); node0's ranks
      stop by themselves within STOP_BOUND_S (--dist_timeout + 30 s) with the lost-peer error; `latest`
@@ -35,6 +36,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -53,6 +55,7 @@ make_data, metrics, LAYOUTS, LOSS_RTOL = _move_e2e.make_data, _move_e2e.metrics,
 
 MASTER_PORT = 29500  # each namespace has its own ports: no clash with anything else on this machine
 DIST_TIMEOUT_S = 20  # --dist_timeout of every launch here
+WAITING_TIMEOUT_S = 120  # the refusal's launches: node1 starts alone and waits for node0 to come up
 STOP_BOUND_S = DIST_TIMEOUT_S + 30  # node loss -> node0's launcher gone: the timeout, then the error and exit
 RUN = {"preset": "tiny", "seed": 0, "save_interval": 1, "min_lr_ratio": 0.1,
        "ttt": {"adaptive_layers": 2, "trainable_scope": "suffix"}}
@@ -83,32 +86,44 @@ class Launch:
     """launch/train.py started by DeepSpeed's launcher on each of `nodes` (one Popen per node)."""
 
     def __init__(self, cluster: Cluster, work: dict, args: list[str], *, hostfile: str = "hostfile_2x1",
-                 ds: str = "pp1_dp2.json", nodes: tuple[int, ...] = (0, 1), binds: dict | None = None):
+                 ds: str = "pp1_dp2.json", nodes: tuple[int, ...] = (0, 1), binds: dict | None = None,
+                 dist_timeout: int = DIST_TIMEOUT_S):
         tmp = work["tmp"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline",
                "GLOO_SOCKET_IFNAME": IFNAME}
         self.nodes = [cluster.nodes[k] for k in nodes]
-        self.procs = []
+        self.procs, self.lines, self.readers = [], [], []
         for node in self.nodes:
             argv = [str(BIN / "deepspeed"), "--hostfile", str(tmp / hostfile), "--no_ssh", "--node_rank",
                     str(node.rank), "--master_addr", cluster.nodes[0].address, "--master_port", str(MASTER_PORT),
-                    "launch/train.py", "--deepspeed_config", str(tmp / ds), "--dist_timeout", str(DIST_TIMEOUT_S)]
+                    "launch/train.py", "--deepspeed_config", str(tmp / ds), "--dist_timeout", str(dist_timeout)]
             argv += args
-            self.procs.append(subprocess.Popen(node.command(argv, binds=(binds or {}).get(node.rank)), cwd=ROOT,
-                                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                               start_new_session=True))
+            proc = subprocess.Popen(node.command(argv, binds=(binds or {}).get(node.rank)), cwd=ROOT, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            lines: list[str] = []
+            reader = threading.Thread(target=lambda p=proc, out=lines: out.extend(p.stdout), daemon=True)
+            reader.start()
+            self.procs.append(proc)
+            self.lines.append(lines)
+            self.readers.append(reader)
+
+    def output(self, i: int) -> str:
+        """What the i-th node's launch has printed so far (stdout and stderr)."""
+        return "".join(self.lines[i])
 
     def wait(self, timeout: float = 300) -> list[tuple[int, str]]:
         """(returncode, output) per node; a node still running at `timeout` fails the test."""
         results, deadline = [], time.monotonic() + timeout
-        for node, proc in zip(self.nodes, self.procs):
+        for i, (node, proc) in enumerate(zip(self.nodes, self.procs)):
             try:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 node.kill_all()
-                out, _ = proc.communicate()
-                pytest.fail(f"{node.hostname} still running after {timeout} s:\n{out[-4000:]}")
-            results.append((proc.returncode, out))
+                proc.wait()
+                self.readers[i].join()
+                pytest.fail(f"{node.hostname} still running after {timeout} s:\n{self.output(i)[-4000:]}")
+            self.readers[i].join()
+            results.append((proc.returncode, self.output(i)))
         return results
 
 
@@ -150,10 +165,19 @@ def test_node_local_output_is_refused_naming_the_host(cluster, work):
     disks = {k: tmp / f"node{k}_disk" for k in (0, 1)}
     for path in (out, *disks.values()):
         path.mkdir()
-    launch = Launch(cluster, work, ["--run_config", str(tmp / "run.json"), "--data", str(work["manifest"]),
-                                    "--output", str(out), "--max_steps", str(STEPS)],
-                    binds={k: {disk: out} for k, disk in disks.items()})
-    results = launch.wait()
+    args = ["--run_config", str(tmp / "run.json"), "--data", str(work["manifest"]), "--output", str(out),
+            "--max_steps", str(STEPS)]
+    binds = {k: {disk: out} for k, disk in disks.items()}
+    # node1 first: it waits for the master and says so (every 10 s) until node0 starts
+    late = Launch(cluster, work, args, binds=binds, nodes=(1,), dist_timeout=WAITING_TIMEOUT_S)
+    deadline = time.monotonic() + 120
+    while "waiting for master" not in late.output(0):
+        assert time.monotonic() < deadline and late.procs[0].poll() is None, late.output(0)[-3000:]
+        time.sleep(0.2)
+    results = Launch(cluster, work, args, binds=binds, nodes=(0,), dist_timeout=WAITING_TIMEOUT_S).wait() + late.wait()
+    waiting = re.findall(r"\[rank 1 @ node1\] waiting for master (\S+) \(rank 0\) \.\.\. (\d+) s", results[1][1])
+    assert waiting and all(master == f"{cluster.nodes[0].address}:{MASTER_PORT}" for master, _ in waiting), waiting
+    print(f"\nnode1, started first, printed {[f'{s} s' for _, s in waiting]} while it waited for node0")
     assert all(rc != 0 for rc, _ in results), [rc for rc, _ in results]
     errors = [line for line in results[0][1].splitlines() if "launch/train.py: error:" in line]
     assert len(errors) == 1, results[0][1][-4000:]
@@ -177,15 +201,17 @@ def test_a_lost_node_stops_node0_in_bound_and_the_resume_is_exact(cluster, work)
     node1.cut_cable()  # the machine is gone: nothing more from it reaches node0
     killed = node1.kill_all()
     lost_at = time.monotonic()
-    rc0, out0 = None, ""
+    rc0 = None
     try:
-        out0, _ = launch.procs[0].communicate(timeout=STOP_BOUND_S + 60)
-        rc0 = launch.procs[0].returncode
+        rc0 = launch.procs[0].wait(timeout=STOP_BOUND_S + 60)
     except subprocess.TimeoutExpired:
         pass
     stopped_after = time.monotonic() - lost_at
-    launch.procs[1].communicate()
+    launch.procs[1].wait()
     cluster.nodes[0].kill_all()  # a hang would leave node0's ranks: end them before the next launch
+    launch.procs[0].wait()
+    launch.readers[0].join()
+    out0 = launch.output(0)
     subprocess.run(["/usr/sbin/ip", "-n", node1.netns, "link", "set", IFNAME, "up"], check=True)
     error = next((line for line in out0.splitlines() if "launch/train.py: error:" in line), None)
     print(f"\nnode lost with {len(metrics(k_dir))} steps logged ({len(killed)} processes of node1 SIGKILLed): "

@@ -4,8 +4,9 @@
 #   data-parallel CPU ranks: the fastest layout on 2 cores, docs/adaptation.md) -> evaluate the
 #   manifest's held-out split (ttt vs frozen) -> the held-out sets of the fair comparison (128 memory
 #   worlds of the held-out pool, >= 100 memory-check and >= 200 recovery rounds from fresh episodes;
-#   test seeds) -> export -> closed-loop held-out tasks (the model acts in sandboxes; each task's own test
-#   scores it; ttt vs frozen) -> the report with 95% intervals and the targets.
+#   test seeds) -> export -> closed-loop held-out tasks (checked against the training corpus for contamination;
+#   the model acts in sandboxes; each task's own test scores it; ttt vs frozen) -> the report with 95% intervals
+#   and the targets.
 #
 #   bash setup.sh && bash launch/main.sh [WORK_DIR]        # WORK_DIR defaults to runs/main
 #
@@ -68,6 +69,9 @@ $PY launch/export.py --checkpoint "$WORK/run" --out "$WORK/export"
 step "7/8 closed-loop held-out tasks: the model acts in a sandbox, each task's test scores it (ttt, frozen)"
 wait "$suite_pid" || { echo "the task suite failed: $WORK/task_suite.log"; tail -n 20 "$WORK/task_suite.log"; exit 1; }
 tail -n 1 "$WORK/task_suite.log"
+# refuses (exit 1, naming them) tasks whose instruction and setup equal a training episode's; reports overlap per kind
+$PY evals/contamination.py --suite "$WORK/tasks" --training "$WORK/data/manifest.json" --out "$WORK/tasks_contamination.json" \
+  | tail -n 3
 $PY evals/agent_tasks.py --model "$WORK/run" --tasks "$WORK/tasks" --label ttt_current --out "$WORK/agent_tasks_scored.json" \
   2> "$WORK/agent_tasks.log"
 

@@ -5,8 +5,8 @@ DeepSpeed's own launcher, once per node, as on a cluster without ssh:
     ip netns exec NODE  deepspeed --hostfile HOSTFILE --no_ssh --node_rank K --master_addr NODE0_ADDR \
         --master_port 29500 launch/train.py --deepspeed_config PP1xDP2.json ... --dist_timeout 20
 
-with GLOO_SOCKET_IFNAME=ttt0 (the veth end on each node). 2 nodes x 1 CPU rank (PP1 x DP2, tiny preset,
-4 steps, a checkpoint every step):
+with GLOO_SOCKET_IFNAME=ttt0 (the veth end on each node). The shipped CPU recipe (run_cpu_tiny.json,
+tiny-mem, and cpu_tiny_pp1_dp2.json) on 2 nodes x 1 CPU rank, 4 steps, a checkpoint every step:
 
   A  the two-node run: every rank joins over the node addresses (master node0's ttt0 address, interface
      ttt0 with the node's own address, never loopback); metrics for steps 1-4;
@@ -23,7 +23,7 @@ with GLOO_SOCKET_IFNAME=ttt0 (the veth end on each node). 2 nodes x 1 CPU rank (
 
 Needs root (network and mount namespaces); skips with the reason elsewhere.
 
-    python -m pytest tests/e2e/test_multinode.py -s     (six two-node launches, ~3 min on 2 cores)
+    python -m pytest tests/e2e/test_multinode.py -s     (seven launches, 93 CPU-seconds, 2-5 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -51,14 +51,16 @@ pytestmark = pytest.mark.slow
 _spec = importlib.util.spec_from_file_location("layout_move_e2e", ROOT / "tests" / "e2e" / "test_layout_move.py")
 _move_e2e = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_move_e2e)
-make_data, metrics, LAYOUTS, LOSS_RTOL = _move_e2e.make_data, _move_e2e.metrics, _move_e2e.LAYOUTS, _move_e2e.LOSS_RTOL
+make_data, metrics, LOSS_RTOL = _move_e2e.make_data, _move_e2e.metrics, _move_e2e.LOSS_RTOL
 
 MASTER_PORT = 29500  # each namespace has its own ports: no clash with anything else on this machine
 DIST_TIMEOUT_S = 20  # --dist_timeout of every launch here
 WAITING_TIMEOUT_S = 120  # the refusal's launches: node1 starts alone and waits for node0 to come up
 STOP_BOUND_S = DIST_TIMEOUT_S + 30  # node loss -> node0's launcher gone: the timeout, then the error and exit
-RUN = {"preset": "tiny", "seed": 0, "save_interval": 1, "min_lr_ratio": 0.1,
-       "ttt": {"adaptive_layers": 2, "trainable_scope": "suffix"}}
+RUN = {**json.loads((ROOT / "ds_configs" / "run_cpu_tiny.json").read_text()), "save_interval": 1}
+PP1_DP2 = json.loads((ROOT / "ds_configs" / "cpu_tiny_pp1_dp2.json").read_text())  # global batch 4 = 1 x 2 x 2
+PP2_DP1 = {**PP1_DP2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "pipeline": {**PP1_DP2["pipeline"], "stages": 2}}  # the same global batch: 2 x 2 x 1
 STEPS = 4
 
 
@@ -74,8 +76,8 @@ def cluster():
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, cluster):
     tmp = tmp_path_factory.mktemp("multinode")
-    for name in ("pp1_dp2", "pp2_dp1"):
-        (tmp / f"{name}.json").write_text(json.dumps(LAYOUTS[name][1]))
+    (tmp / "pp1_dp2.json").write_text(json.dumps(PP1_DP2))
+    (tmp / "pp2_dp1.json").write_text(json.dumps(PP2_DP1))
     (tmp / "run.json").write_text(json.dumps(RUN))
     (tmp / "hostfile_2x1").write_text(cluster.hostfile(slots=1))
     (tmp / "hostfile_1x2").write_text("node0 slots=2\n")

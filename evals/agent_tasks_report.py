@@ -9,7 +9,8 @@ The first file's first mode is the row every other row is compared with.
 Several training seeds: pass every seed's files in one --scored list; each file says its seed
 (`train_seed`, evals/agent_tasks.py --train-seed), the files are grouped by it, every seed needs the same
 rows, and the report adds `pooled` (each pair over the seeds, kind-resampling interval, wins):
-    ... --scored runs/baselines/seed_0/*.tasks.json runs/baselines/seed_1/*.tasks.json ...
+    ... --scored runs/baselines/seed_{0,1,2}/ttt_current.tasks.json runs/baselines/seed_{0,1,2}/sft_full.tasks.json ...
+(the headline row is still the first file's first mode: name the main recipe's files first).
 --sweeps SWEEP.json ...: the dev sweeps of dynamic evaluation's inner step (evals/dynamic_eval_sweep.py),
 recorded in the report.
 """

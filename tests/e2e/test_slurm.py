@@ -110,8 +110,8 @@ def test_sbatch_trains_through_srun_and_deepspeed(slurm, tmp_path):
            "EXTRA_ARGS": "--max_steps 3", "DIST_TIMEOUT": "120", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "WANDB_MODE": "offline", "PY": sys.executable}
     started = time.monotonic()
-    proc = subprocess.run([find("sbatch"), "--wait", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count()}",
-                           "--time=10", f"--output={log}", "launch/slurm.sbatch"], cwd=ROOT, env=env,
+    overrides = ["--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count()}", "--time=10", f"--output={log}"]
+    proc = subprocess.run([find("sbatch"), "--wait", *overrides, "launch/slurm.sbatch"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     text = log.read_text() if log.is_file() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + text[-5000:]

@@ -19,5 +19,6 @@ One concept per module:
   safe_loading.py     DeepSpeed's checkpoint loader made weights_only
   reassembly.py       a pipeline checkpoint as one single-process model (evaluation, export)
   shared_output.py    the startup check that RUN_DIR is one shared filesystem
+  rendezvous.py       joining the process group: the waiting rank's progress line, one timeout for every group
   logging.py          progress bar, metrics.jsonl, optional wandb
 """

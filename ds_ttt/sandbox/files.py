@@ -18,11 +18,22 @@ from pathlib import Path
 
 
 def remove_tree(path: Path) -> None:
-    """rmtree that also removes what a command made unreadable or read-only (chmod 000 dirs)."""
+    """rmtree that also removes what a command made unreadable or read-only (chmod 000 dirs). It changes
+    modes only inside the tree: a missing tree is nothing to do, and the tree's own parent (e.g. the shared
+    /tmp) is never touched."""
+    root = os.path.abspath(path)
+    if not os.path.lexists(root):
+        return
+
+    def inside(p: str) -> bool:
+        return p == root or p.startswith(root + os.sep)
+
     def fix(func, p, _exc):
         try:
-            os.chmod(os.path.dirname(p), stat.S_IRWXU)
-            if os.path.isdir(p) and not os.path.islink(p):
+            parent = os.path.dirname(os.path.abspath(p))
+            if inside(parent):
+                os.chmod(parent, stat.S_IRWXU)
+            if inside(os.path.abspath(p)) and os.path.isdir(p) and not os.path.islink(p):
                 os.chmod(p, stat.S_IRWXU)
             func(p)
         except OSError:

@@ -12,6 +12,7 @@ test_sandbox_hostile.py.
 
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -211,3 +212,19 @@ def test_format_observation_notes():
     assert format_observation(r) == ("x\n[exit code: 3]\n[the shell was restarted: files are kept; the working directory, "
                                      "variables and background jobs are reset]")
     assert format_observation(CommandResult("c", "", 0)) == "(no output)"
+
+
+def test_remove_tree_changes_no_mode_outside_the_tree(tmp_path):
+    """A missing tree once made remove_tree chmod its parent to 0700 (the shared /tmp, on a second close)."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    os.chmod(parent, 0o1777)
+    remove_tree(parent / "gone")  # already removed: nothing to do
+    tree = parent / "tree"
+    (tree / "locked" / "deep").mkdir(parents=True)
+    (tree / "locked" / "deep" / "f").write_text("x")
+    os.chmod(tree / "locked" / "deep", 0)
+    os.chmod(tree / "locked", 0)
+    remove_tree(tree)  # what a command made unreadable still goes
+    assert not tree.exists()
+    assert stat.S_IMODE(os.stat(parent).st_mode) == 0o1777

@@ -37,9 +37,13 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", nargs="+", choices=sorted(KINDS), default=None, help="default: every kind")
     p.add_argument("--no-verify", action="store_true", help="skip the oracle / nop check of every test")
     a = p.parse_args(argv)
+
+    def check_blind(tasks, guesses):
+        return check_suite(tasks, guesses, progress=True)
+
     t0 = time.perf_counter()
     try:
-        suite = write_suite(a.out, split=a.split, num_per_kind=a.num_per_kind, kinds=a.kinds, check_blind=check_suite)
+        suite = write_suite(a.out, split=a.split, num_per_kind=a.num_per_kind, kinds=a.kinds, check_blind=check_blind)
     except BlindPolicyPasses as e:
         print(f"error: refused, {a.out} not written: {e}", file=sys.stderr)
         return 1

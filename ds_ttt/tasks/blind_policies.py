@@ -42,7 +42,7 @@ from ds_ttt.tasks.suite import GUESS_CONSTANTS, Task
 COMMAND_TIMEOUT = 10.0
 REPLAY_TIMEOUT = 4.0  # a replayed job waiting for another instance's flag file never ends; the reference takes < 1 s
 NUMBERS = [str(i) for i in range(101)]
-SOLVE_PATH = "/tests/solve.sh"
+SOLVE_PATH = "/tmp/solve.sh"  # not in /tests: the verifier discards that (as verify_task)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def policy_group(name: str, guess: str | None) -> str:
     return name.split(":", 1)[0] + ":*" if name.startswith(("copy_", "move_")) else name
 
 
-def check_suite(tasks: list[Task], guesses: dict[str, str | None], *, workers: int = 8) -> dict:
+def check_suite(tasks: list[Task], guesses: dict[str, str | None], *, workers: int = 8, progress: bool = False) -> dict:
     """Run every blind policy and every same-kind replay on every task. Raises BlindPolicyPasses naming
     each (task, policy) that passes; else returns {"tasks": {id: {...}}, "kinds": {kind: {...}},
     "policies": {policy: {"runs", "solved"}}} for suite.json (the module docstring defines the fields)."""
@@ -127,8 +127,20 @@ def check_suite(tasks: list[Task], guesses: dict[str, str | None], *, workers: i
             return run_blind(t, x.commands, x.reply)[0]
         return run_blind(t, reply=None, script=_solution(x), timeout=REPLAY_TIMEOUT)[0]
 
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc="blind policies and replays", unit="run")
+
+    def counted(job):
+        ok = one(job)
+        bar and bar.update(1)
+        return ok
+
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # sandbox start-up is I/O-bound
-        passed = list(pool.map(one, jobs))
+        passed = list(pool.map(counted, jobs))
+    bar and bar.close()
     blind = [(t.id, p.name) for (what, t, p), ok in zip(jobs, passed) if what == "policy" and ok]
     if blind:
         raise BlindPolicyPasses(f"{len(blind)} blind (task, policy) pair(s) pass: "

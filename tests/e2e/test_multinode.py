@@ -6,7 +6,8 @@ DeepSpeed's own launcher, once per node, as on a cluster without ssh:
         --master_port 29500 launch/train.py --deepspeed_config PP1xDP2.json ... --dist_timeout 20
 
 with GLOO_SOCKET_IFNAME=ttt0 (the veth end on each node). The shipped CPU recipe (run_cpu_tiny.json,
-tiny-mem, and cpu_tiny_pp1_dp2.json) on 2 nodes x 1 CPU rank, 4 steps, a checkpoint every step:
+tiny-mem, a checkpoint every step) on 2 nodes x 1 CPU rank (cpu_tiny_pp1_dp2.json, 4 steps) for A, R, K
+and on 2 nodes x 2 CPU ranks (the same with accumulation 1: PP1 x DP4, 3 steps) for M:
 
   A  the two-node run: every rank joins over the node addresses (master node0's ttt0 address, interface
      ttt0 with the node's own address, never loopback); metrics for steps 1-4;
@@ -17,13 +18,16 @@ tiny-mem, and cpu_tiny_pp1_dp2.json) on 2 nodes x 1 CPU rank, 4 steps, a checkpo
      process of node1 SIGKILLed (no FIN, no RST reaches node0, as when a machine dies); node0's ranks
      stop by themselves within STOP_BOUND_S (--dist_timeout + 30 s) with the lost-peer error; `latest`
      names a complete checkpoint; resuming K on both nodes gives A's losses, step for step, bit for bit;
-  M  moving off a node: A's step-2 checkpoint continues on node0 alone, 1 node x 2 ranks, PP2 x DP1
-     (the layout move: --resume A/step_2 --output M); losses within tests/e2e/test_layout_move.py's
-     LOSS_RTOL of A's.
+  M  moving off a node: B, an uninterrupted run on 2 nodes x 2 ranks (ranks 0-1 on node0, 2-3 on node1),
+     PP1 x DP4 (micro-batch 1 x accumulation 1 x dp 4), has its step-1 checkpoint continued on node0
+     alone, 1 node x 2 ranks, PP2 x DP1 (micro 2 x accumulation 2; the layout move: --resume B/step_1
+     --output M) for steps 2-3; losses within tests/e2e/test_layout_move.py's LOSS_RTOL of B's (the same
+     global batch of N = 4 terms), learning rates and token counts equal.
 
 Needs root (network and mount namespaces); skips with the reason elsewhere.
 
-    python -m pytest tests/e2e/test_multinode.py -s     (seven launches, 93 CPU-seconds, 2-5 min on 2 cores)
+    python -m pytest tests/e2e/test_multinode.py -s     (eight launches, 140 CPU-seconds, 4 min on 2 cores)
+    python -m pytest tests/e2e/test_multinode.py -k move -s   (M alone: two launches, 47 s)
 """
 
 from __future__ import annotations
@@ -59,9 +63,11 @@ WAITING_TIMEOUT_S = 120  # the refusal's launches: node1 starts alone and waits 
 STOP_BOUND_S = DIST_TIMEOUT_S + 30  # node loss -> node0's launcher gone: the timeout, then the error and exit
 RUN = {**json.loads((ROOT / "ds_configs" / "run_cpu_tiny.json").read_text()), "save_interval": 1}
 PP1_DP2 = json.loads((ROOT / "ds_configs" / "cpu_tiny_pp1_dp2.json").read_text())  # global batch 4 = 1 x 2 x 2
+PP1_DP4 = {**PP1_DP2, "gradient_accumulation_steps": 1}  # the same global batch: 1 x 1 x 4
 PP2_DP1 = {**PP1_DP2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
            "pipeline": {**PP1_DP2["pipeline"], "stages": 2}}  # the same global batch: 2 x 2 x 1
 STEPS = 4
+MOVE_STEPS = 3  # B: the move continues its step-1 checkpoint for steps 2-3 (step 3 shows the moved AdamW moments)
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +83,11 @@ def cluster():
 def work(tmp_path_factory, cluster):
     tmp = tmp_path_factory.mktemp("multinode")
     (tmp / "pp1_dp2.json").write_text(json.dumps(PP1_DP2))
+    (tmp / "pp1_dp4.json").write_text(json.dumps(PP1_DP4))
     (tmp / "pp2_dp1.json").write_text(json.dumps(PP2_DP1))
     (tmp / "run.json").write_text(json.dumps(RUN))
     (tmp / "hostfile_2x1").write_text(cluster.hostfile(slots=1))
+    (tmp / "hostfile_2x2").write_text(cluster.hostfile(slots=2))
     (tmp / "hostfile_1x2").write_text("node0 slots=2\n")
     return {"tmp": tmp, "manifest": make_data(tmp / "data", seed=1), "runs": {}}
 
@@ -236,18 +244,34 @@ def test_a_lost_node_stops_node0_in_bound_and_the_resume_is_exact(cluster, work)
     print(f"resumed from {kept.name} on two nodes: losses equal to A's bit for bit: {[r['loss'] for r in got]}")
 
 
-def test_moving_off_a_node(cluster, work):
-    a = two_node_run(cluster, work)
-    moved = work["tmp"] / "M"
-    log = run_ok(Launch(cluster, work, ["--resume", str(a / "step_00000002"), "--output", str(moved)],
+def test_move_off_a_node(cluster, work):
+    tmp = work["tmp"]
+    b, moved = tmp / "B", tmp / "M"
+    started = time.monotonic()
+    outs = run_ok(Launch(cluster, work, ["--run_config", str(tmp / "run.json"), "--data", str(work["manifest"]),
+                                         "--output", str(b), "--max_steps", str(MOVE_STEPS)],
+                         hostfile="hostfile_2x2", ds="pp1_dp4.json"))
+    took_b = time.monotonic() - started
+    master = f"{cluster.nodes[0].address}:{MASTER_PORT}"
+    for node, out in zip(cluster.nodes, outs):  # ranks numbered node by node: 0-1 on node0, 2-3 on node1
+        joined = re.findall(r"\[rank (\d+) @ (\S+)\] joined (\d+) ranks via master (\S+), interface (\S+) \((\S+)\)",
+                            out)
+        assert sorted(joined) == [(str(2 * node.rank + k), node.hostname, "4", master, IFNAME, node.address)
+                                  for k in (0, 1)], out[-3000:]
+    assert [r["step"] for r in metrics(b)] == list(range(1, MOVE_STEPS + 1))
+
+    started = time.monotonic()
+    log = run_ok(Launch(cluster, work, ["--resume", str(b / "step_00000001"), "--output", str(moved)],
                         hostfile="hostfile_1x2", ds="pp2_dp1.json", nodes=(0,)))[0]
+    took_m = time.monotonic() - started
     assert "DeepSpeed universal checkpoint" in log, log[-3000:]
-    want, got = metrics(a)[2:], metrics(moved)
-    assert [r["step"] for r in got] == list(range(3, STEPS + 1))
+    want, got = metrics(b)[1:], metrics(moved)
+    assert [r["step"] for r in got] == list(range(2, MOVE_STEPS + 1))
     diffs = []
     for x, y in zip(want, got):
         assert y["lr"] == x["lr"] and y["tokens"] == x["tokens"]
         diffs.append(abs(y["loss"] - x["loss"]) / abs(x["loss"]))
         assert y["loss"] == pytest.approx(x["loss"], rel=LOSS_RTOL, abs=0), (x["loss"], y["loss"])
-    print(f"\n2 nodes x 1 (PP1 x DP2) -> 1 node x 2 (PP2 x DP1): relative loss differences "
-          f"{['%.2e' % d for d in diffs]} (tolerance {LOSS_RTOL:.2e})")
+    print(f"\nB on 2 nodes x 2 (PP1 x DP4): {took_b:.1f} s; moved to 1 node x 2 (PP2 x DP1): {took_m:.1f} s; "
+          f"relative loss differences at steps 2-{MOVE_STEPS} {['%.2e' % d for d in diffs]} "
+          f"(tolerance {LOSS_RTOL:.2e}); losses B {[x['loss'] for x in want]}, M {[y['loss'] for y in got]}")

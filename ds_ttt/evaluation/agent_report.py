@@ -156,7 +156,9 @@ def build_report(scored: list[dict], *, command: str, seeds: dict, load: dict,
         for mode, res in s["modes"].items():
             if (train_seed, s["label"], mode) in outcomes:
                 raise ValueError(f"{s['label']}/{mode} of training seed {train_seed} is given twice")
-            rows.append(dict(res["row"], seed=train_seed))
+            row = dict(res["row"], seed=train_seed)
+            row["by_observation"] = success_by_observation(row, s["suite"]["kinds"])
+            rows.append(row)
             outcomes[(train_seed, s["label"], mode)] = res["outcomes"]
             metrics[(train_seed, s["label"], mode)] = res["row"]["metric"]
     seed_order = list(dict.fromkeys(k[0] for k in outcomes))
@@ -201,16 +203,22 @@ def markdown(report: dict) -> str:
            "Wilson 95% interval; paired differences on the same tasks (bootstrap 95% interval, exact McNemar p).",
            "", f"Command: `{report['command']}`", f"Seeds: `{json.dumps(report['seeds'])}`; load average "
            f"{report['load'].get('start')} at start, {report['load'].get('end')} at end.", "",
-           "| " + ("seed | " if many_seeds else "") + "model | mode | metric | tasks | success | seen kinds | "
-           "unseen kinds | " + " | ".join(families) + " | mean rounds | stops | seconds |",
-           "|" + "---|" * (10 + len(families) + many_seeds)]
+           "Claims rest on the kinds that need the observation: a kind is a fixed-script kind when a blind replay "
+           "of another instance's reference solution solves one of its tasks (ds_ttt/tasks/blind_policies.py); "
+           "such kinds measure following an instruction, not learning from output.", "",
+           "| " + ("seed | " if many_seeds else "") + "model | mode | metric | tasks | success | needs observation | "
+           "fixed script | seen kinds | unseen kinds | " + " | ".join(families) + " | mean rounds | stops | seconds |",
+           "|" + "---|" * (12 + len(families) + many_seeds)]
     for r in report["rows"]:
         fam = [f"{r['per_family'][f]['solved']}/{r['per_family'][f]['n']}" if f in r["per_family"] else "-"
                for f in families]
         stops = ", ".join(f"{k} {v}" for k, v in r["stops"].items())
         secs = f"{r['seconds']:.0f}" if r.get("seconds") is not None else "-"
+        split = [f"{g['solved']}/{g['n']} = {_pct(g['rate'], g['lo'], g['hi'])}" if (g := r.get("by_observation", {})
+                 .get(name)) else "-" for name in ("needs_observation", "fixed_script")]
         out.append((f"| {r.get('seed')} " if many_seeds else "") + f"| {r['model']} | {r['mode']} | {r['metric']} | {r['tasks']} | {r['solved']}/{r['tasks']} = "
-                   f"{_pct(r['success'], r['success_lo'], r['success_hi'])} | {r['seen']['solved']}/{r['seen']['n']} | "
+                   f"{_pct(r['success'], r['success_lo'], r['success_hi'])} | {split[0]} | {split[1]} | "
+                   f"{r['seen']['solved']}/{r['seen']['n']} | "
                    f"{r['unseen']['solved']}/{r['unseen']['n']} | " + " | ".join(fam)
                    + f" | {r['mean_rounds']:.1f} | {stops} | {secs} |")
     out += ["", "Paired differences (a − b, success on the same tasks; 95% intervals resampling tasks, and "

@@ -28,8 +28,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 NUM_KINDS, PER_KIND = 17, 12
 KINDS = {f"k{k:02d}-{i}": f"k{k:02d}" for k in range(NUM_KINDS) for i in range(PER_KIND)}
+FIXED_SCRIPT_KINDS = {"k15", "k16"}  # a blind replay solves them (suite.json: needs_observation false)
 SUITE = {"split": "test", "seed_base": 0, "num_per_kind": PER_KIND, "num_tasks": len(KINDS), "sha256": "x",
-         "kinds": sorted(set(KINDS.values()))}
+         "kinds": {k: {"family": "f", "seen": True, "needs_observation": k not in FIXED_SCRIPT_KINDS}
+                   for k in sorted(set(KINDS.values()))}}
 
 
 def by_kind(solved_kinds: set[str]) -> dict[str, bool]:
@@ -195,3 +197,14 @@ def test_agent_tasks_cli_refuses_inner_overrides_it_cannot_apply(capsys):
     with pytest.raises(SystemExit):
         agent_tasks.main(base + ["--dynamic-eval-from", "runs/ttt_full", "--inner", "window=3"])
     assert "--inner expects key=value with key one of" in capsys.readouterr().err
+
+
+def test_each_row_splits_success_into_kinds_that_need_the_observation_and_fixed_script_kinds():
+    report = build_report([scored("ttt_current", by_kind({"k00", "k15", "k16"}), mode="ttt")],
+                          command="c", seeds={}, load={})
+    (row,) = report["rows"]
+    needs, fixed = row["by_observation"]["needs_observation"], row["by_observation"]["fixed_script"]
+    assert (needs["n"], needs["solved"], fixed["n"], fixed["solved"]) == (15 * PER_KIND, PER_KIND, 2 * PER_KIND, 2 * PER_KIND)
+    md = markdown(report)
+    assert "| needs observation | fixed script |" in md
+    assert f"| 12/180 = {100 * 12 / 180:.1f}% [" in md and "| 24/24 = 100.0% [" in md

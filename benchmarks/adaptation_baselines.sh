@@ -56,7 +56,7 @@
 # over every seed: per-seed rows and pairs, `pooled` (each pair's mean difference over the seeds with a
 # 95% interval that resamples the 17 kinds, and the seeds the first row wins) and the sweeps.
 # Knobs: SEEDS (0), MAX_STEPS (1000), NUM_TRAJ (300), NUM_EXTRA (600), CORPUS_SEED, RUN_CONFIG, DATA
-# (reuse a manifest), OUT, OUT_TASKS, DYN_LRS ("0.03 0.1 0.3 1.0"), DYN_NORMS ("1 5"), DEV_PER_KIND (4).
+# (reuse a manifest), OUT, OUT_TASKS, MASTER_PORT (29500; another one lets it train beside another job), DYN_LRS ("0.03 0.1 0.3 1.0"), DYN_NORMS ("1 5"), DEV_PER_KIND (4).
 # After `bash launch/main.sh` the main job's model IS the ttt_current row of its training seed (same data,
 # recipe, layout, steps and seed); reuse it instead of training it again:
 #   MAIN=runs/main bash benchmarks/adaptation_baselines.sh      # DATA, sets, suite and ttt_current from runs/main
@@ -82,6 +82,7 @@ SEEDS="${SEEDS:-${SEED:-0}}"
 IFS=, read -ra SEED_LIST <<< "$SEEDS"
 CORPUS_SEED="${CORPUS_SEED:-${SEED_LIST[0]}}"
 RUN_CONFIG="${RUN_CONFIG:-ds_configs/run_cpu_tiny.json}"
+MASTER_PORT="${MASTER_PORT:-29500}"
 DS_CONFIG="${DS_CONFIG:-ds_configs/cpu_tiny_pp1_dp2.json}"
 # The round address pools over the current round, so it needs context_policy=current_round
 # (TTTConfig.validate refuses it otherwise): the full-context rows turn it off. The SFT rows turn it off
@@ -163,7 +164,7 @@ train_row() {  # SEED NAME TTT_OVERRIDE... (ROW_STEPS: this row's steps, default
     : > "$out.train.log"
     step "seed $seed: train $name ($steps steps): $*"
   fi
-  .venv/bin/deepspeed --num_gpus 2 launch/train.py --deepspeed_config "$DS_CONFIG" \
+  .venv/bin/deepspeed --num_gpus 2 --master_port "$MASTER_PORT" launch/train.py --deepspeed_config "$DS_CONFIG" \
     --run_config "$RUN_CONFIG" --data "$DATA" --output "$out" --max_steps "$steps" --seed "$seed" \
     "${overrides[@]}" "${resume[@]}" >> "$out.train.log" 2>&1 \
     || { echo "[baselines] seed $seed $name failed: see $out.train.log"; tail -n 20 "$out.train.log"; return 1; }

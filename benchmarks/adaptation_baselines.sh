@@ -35,7 +35,10 @@
 #   ttt_first_order   ttt_current's recipe with first_order=true: the write is applied in training but not
 #                     differentiated (TTT without meta-learning)
 #   sft_full_compute  sft_full trained for as many steps as ttt_full's measured training seconds buy
-#                     at sft_full's measured seconds per step (equal compute, not equal steps)
+#                     at sft_full's measured seconds per step (equal compute, not equal steps); trained
+#                     on the first seed of SEEDS only (the other seeds' reports have no such row, and the
+#                     pooled pairs with it rest on that one seed: agent_report pools each pair over the
+#                     seeds that have both its rows)
 #   dyn_sft_full / dyn_sft_current   dynamic evaluation: sft_full / sft_current take ttt_full's /
 #                     ttt_current's inner step at test time on their own last layers' MLPs, never
 #                     meta-trained for it (ds_ttt/evaluation/dynamic_eval.py; no training). The inner lr
@@ -80,6 +83,7 @@ else
 fi
 SEEDS="${SEEDS:-${SEED:-0}}"
 IFS=, read -ra SEED_LIST <<< "$SEEDS"
+FIRST_SEED="${SEED_LIST[0]}"  # the seed with every row (sft_full_compute is trained on this seed only)
 CORPUS_SEED="${CORPUS_SEED:-${SEED_LIST[0]}}"
 RUN_CONFIG="${RUN_CONFIG:-ds_configs/run_cpu_tiny.json}"
 MASTER_PORT="${MASTER_PORT:-29500}"
@@ -99,7 +103,9 @@ load_start=$(cut -d' ' -f1 /proc/loadavg)
 t0=$(date +%s)
 step() { echo; echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
 skip() { echo "[baselines] $*: exists, skipped"; }
-json_field() { $PY -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"; }
+json_field() {  # FILE DOTTED.KEY: one field of a JSON file (run.seed: d["run"]["seed"])
+  $PY -c 'import functools, json, sys; print(functools.reduce(lambda d, k: d[k], sys.argv[2].split("."), json.load(open(sys.argv[1]))))' "$1" "$2"
+}
 
 if [ -n "${MAIN:-}" ]; then
   DATA="$MAIN/data/manifest.json"
@@ -212,7 +218,7 @@ sweep_inner() {  # SEED NAME TTT_RUN: the dev sweep of dynamic evaluation's inne
 }
 
 if [ -n "${MAIN:-}" ]; then
-  MAIN_SEED=$(json_field "$MAIN/run/run_config.json" seed)
+  MAIN_SEED=$(json_field "$MAIN/run/run_config.json" run.seed)
 fi
 for seed in "${SEED_LIST[@]}"; do
   SD="$WORK/seed_$seed"
@@ -228,16 +234,18 @@ for seed in "${SEED_LIST[@]}"; do
   train_row "$seed" sft_current "${NO_PRIME[@]}"
   train_row "$seed" ttt_first_order first_order=true
   # equal compute: ttt_full's summed training step seconds at sft_full's mean seconds per step (measured
-  # once and kept, so a resumed session trains the same number of steps)
-  if [ ! -f "$SD/sft_full_compute.steps" ]; then
-    $PY -c '
+  # once and kept, so a resumed session trains the same number of steps); the first seed only
+  if [ "$seed" = "$FIRST_SEED" ]; then
+    if [ ! -f "$SD/sft_full_compute.steps" ]; then
+      $PY -c '
 import json, sys
 secs = lambda run: [json.loads(l)["step_time_s"] for l in open(f"{run}/metrics.jsonl")]
 ttt, sft = secs(sys.argv[1]), secs(sys.argv[2])
 print(max(1, round(sum(ttt) / (sum(sft) / len(sft)))))' "$SD/ttt_full" "$SD/sft_full" > "$SD/.sft_full_compute.steps.partial"
-    mv "$SD/.sft_full_compute.steps.partial" "$SD/sft_full_compute.steps"
+      mv "$SD/.sft_full_compute.steps.partial" "$SD/sft_full_compute.steps"
+    fi
+    ROW_STEPS=$(cat "$SD/sft_full_compute.steps") train_row "$seed" sft_full_compute "${NO_PRIME[@]}" "${FULL_CONTEXT[@]}"
   fi
-  ROW_STEPS=$(cat "$SD/sft_full_compute.steps") train_row "$seed" sft_full_compute "${NO_PRIME[@]}" "${FULL_CONTEXT[@]}"
 
   step "seed $seed: score every model on the held-out sets (two at a time)"
   score "$seed" ttt_current & a=$!
@@ -246,9 +254,13 @@ print(max(1, round(sum(ttt) / (sum(sft) / len(sft)))))' "$SD/ttt_full" "$SD/sft_
   score "$seed" sft_full & a=$!
   score "$seed" sft_current & b=$!
   wait $a && wait $b
-  score "$seed" ttt_first_order & a=$!
-  score "$seed" sft_full_compute & b=$!
-  wait $a && wait $b
+  if [ "$seed" = "$FIRST_SEED" ]; then
+    score "$seed" ttt_first_order & a=$!
+    score "$seed" sft_full_compute & b=$!
+    wait $a && wait $b
+  else
+    score "$seed" ttt_first_order
+  fi
   score "$seed" dyn_sft_full --dynamic-eval-from "$SD/ttt_full" & a=$!
   score "$seed" dyn_sft_current --dynamic-eval-from "$SD/ttt_current" & b=$!
   wait $a && wait $b
@@ -264,7 +276,7 @@ print(max(1, round(sum(ttt) / (sum(sft) / len(sft)))))' "$SD/ttt_full" "$SD/sft_
   tasks "$seed" sft_full
   tasks "$seed" sft_current
   tasks "$seed" ttt_first_order
-  tasks "$seed" sft_full_compute
+  [ "$seed" = "$FIRST_SEED" ] && tasks "$seed" sft_full_compute
   read -ra kv <<< "$inner_full"
   tasks "$seed" dyn_sft_full --dynamic-eval-from "$SD/ttt_full" --modes ttt "${kv[@]/#/--inner=}"
   read -ra kv <<< "$inner_current"
@@ -281,13 +293,16 @@ for seed in "${SEED_LIST[@]}"; do
   out="$OUT"
   [ "${#SEED_LIST[@]}" -gt 1 ] && out="${OUT}_seed$seed"
   step "seed $seed: report -> $out.{json,md,png}"
-  ROWS=()
-  for m in "${MODELS[@]}"; do ROWS+=("$SD/$m.row.json"); SCORED+=("$SD/$m.tasks.json"); done
+  ROWS=() EXTRA="{\"seconds\": $elapsed, \"run_config\": \"$RUN_CONFIG\"}"
+  for m in "${MODELS[@]}"; do
+    [ "$m" = sft_full_compute ] && [ "$seed" != "$FIRST_SEED" ] && continue
+    ROWS+=("$SD/$m.row.json"); SCORED+=("$SD/$m.tasks.json")
+  done
+  [ "$seed" = "$FIRST_SEED" ] && EXTRA="${EXTRA%\}}, \"sft_full_compute_steps\": $(cat "$SD/sft_full_compute.steps")}"
   SWEEPS+=("$SD/dyn_sft_full.sweep.json" "$SD/dyn_sft_current.sweep.json")
   $PY evals/baselines_report.py --rows "${ROWS[@]}" --out "$out" --command "$COMMAND" \
     --seeds "{\"main_corpus\": $CORPUS_SEED, \"extra_memory_episodes\": $((CORPUS_SEED + 1)), \"train\": $seed, \"max_steps\": $MAX_STEPS}" \
-    --load-start "$load_start" --load-end "$load_end" \
-    --extra "{\"seconds\": $elapsed, \"run_config\": \"$RUN_CONFIG\", \"sft_full_compute_steps\": $(cat "$SD/sft_full_compute.steps")}"
+    --load-start "$load_start" --load-end "$load_end" --extra "$EXTRA"
 done
 step "closed-loop report over seeds $SEEDS -> $OUT_TASKS.{json,md,png}"
 $PY evals/agent_tasks_report.py --scored "${SCORED[@]}" --sweeps "${SWEEPS[@]}" --out "$OUT_TASKS" \

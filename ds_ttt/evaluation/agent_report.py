@@ -17,8 +17,9 @@ Paired differences (the same tasks for both rows; success is per task, pass@k wh
 for the first model's headline row against every other row, and each TTT row against its frozen
 ablation. Every pair is labelled with its own rows' metric.
 Several training seeds (scored files carrying `train_seed`): rows and pairs per seed, and `pooled`, one
-entry per pair: {a, b, metric, seeds, diff (the mean over seeds), lo, hi (the kind-resampling interval,
-the same kinds drawn for every seed), wins (the seeds where a is ahead), per_seed}.
+entry per pair and task subset: {a, b, metric, subset ("all", or "needs_observation": the kinds that need
+the observation), seeds (those with both rows), diff (the mean over seeds), lo, hi (the kind-resampling
+interval, the same kinds drawn for every seed), wins (the seeds where a is ahead), per_seed}.
 """
 
 from __future__ import annotations
@@ -140,10 +141,13 @@ def build_report(scored: list[dict], *, command: str, seeds: dict, load: dict,
     """`pairs`: more comparisons, each ("model/mode", "model/mode"), after the default ones (module docstring).
 
     Several training seeds: the scored files are grouped by their `train_seed` (evals/agent_tasks.py
-    --train-seed; None = one group), every seed must have the same rows. Rows and paired differences
-    are per seed (each row and pair carries `seed`; pairs also `kinds_lo`/`kinds_hi`, the interval that
-    resamples kinds); `pooled` holds each pair over all seeds (kind_clustered_difference: mean diff, the
-    kind-resampling interval, `wins`). `sweeps`: the dev sweeps of dynamic evaluation's inner step
+    --train-seed; None = one group). The first seed has every row; a later seed has the headline row
+    and any of the others (a control trained on one seed only, e.g. SFT at equal compute). Rows and
+    paired differences are per seed (each row and pair carries `seed`; pairs also `kinds_lo`/`kinds_hi`,
+    the interval that resamples kinds); `pooled` holds each pair over the seeds that have both its rows
+    (kind_clustered_difference: mean diff, the kind-resampling interval, `wins`), twice when the suite
+    marks fixed-script kinds: `subset` "all" (every task) and "needs_observation" (only the tasks of
+    kinds whose suite.json entry says needs_observation: the claims rest on these). `sweeps`: the dev sweeps of dynamic evaluation's inner step
     (evals/dynamic_eval_sweep.py), kept as they are and shown in the markdown."""
     suites = {json.dumps(s["suite"], sort_keys=True) for s in scored}
     if len(suites) != 1:
@@ -165,22 +169,29 @@ def build_report(scored: list[dict], *, command: str, seeds: dict, load: dict,
     keys_of = {t: [k[1:] for k in outcomes if k[0] == t] for t in seed_order}
     keys = keys_of[seed_order[0]]
     for t in seed_order[1:]:
-        if sorted(keys_of[t]) != sorted(keys):
-            raise ValueError(f"build_report: training seed {t} has rows {sorted(keys_of[t])}, seed {seed_order[0]} "
-                             f"has {sorted(keys)}; pool seeds with the same rows")
+        extra = sorted(set(keys_of[t]) - set(keys))
+        if extra or keys[0] not in keys_of[t]:
+            raise ValueError(f"build_report: training seed {t} has rows {sorted(keys_of[t])}; every seed needs the "
+                             f"headline row {'/'.join(keys[0])} and no row that seed {seed_order[0]} lacks "
+                             f"({sorted(keys)}): name the seed with every row first")
     todo = _comparisons(keys, pairs)
     kinds = task_kinds(scored[0])
+    observed = {t: k for t, k in kinds.items() if scored[0]["suite"]["kinds"][k].get("needs_observation") is True}
+    subsets = [("all", kinds)] + ([("needs_observation", observed)] if observed and len(observed) < len(kinds) else [])
     paired, pooled = [], []
     for a, b in todo:
         label = {"a": f"{a[0]}/{a[1]}", "b": f"{b[0]}/{b[1]}",
                  "metric": _pair_metric(metrics[(seed_order[0], *a)], metrics[(seed_order[0], *b)])}
-        for t in seed_order:
+        both = [t for t in seed_order if a in keys_of[t] and b in keys_of[t]]
+        for t in both:
             one = kind_clustered_difference([(outcomes[(t, *a)], outcomes[(t, *b)])], kinds)
             paired.append({"seed": t, **label, **paired_success_difference(outcomes[(t, *a)], outcomes[(t, *b)]),
                            "kinds_lo": one["lo"], "kinds_hi": one["hi"]})
-        over = kind_clustered_difference([(outcomes[(t, *a)], outcomes[(t, *b)]) for t in seed_order], kinds)
-        pooled.append({**label, "seeds": seed_order, **{k: over[k] for k in ("diff", "lo", "hi", "wins", "per_seed",
-                                                                               "kinds", "tasks")}})
+        for subset, on in subsets:
+            over = kind_clustered_difference([({i: outcomes[(t, *a)][i] for i in on}, {i: outcomes[(t, *b)][i] for i in on})
+                                              for t in both], on)
+            pooled.append({**label, "subset": subset, "seeds": both,
+                           **{k: over[k] for k in ("diff", "lo", "hi", "wins", "per_seed", "kinds", "tasks")}})
     return {"format": REPORT_FORMAT, "suite": scored[0]["suite"], "rows": rows, "paired": paired, "pooled": pooled,
             "dynamic_eval_sweep": list(sweeps), "command": command, "seeds": seeds, "load": load}
 
@@ -239,16 +250,18 @@ def pooled_markdown(report: dict) -> list[str]:
     evaluation's inner step, as markdown lines (none for a report without them)."""
     out = []
     if report.get("pooled"):
-        seeds = report["pooled"][0]["seeds"]
-        out += ["", f"Pooled over training seeds {', '.join(map(str, seeds))}: the mean of the per-seed differences; "
+        seeds = sorted({s for p in report["pooled"] for s in p["seeds"]}, key=str)
+        over = (f"training seeds {', '.join(map(str, seeds))}" if seeds != [None] else "one training run")
+        out += ["", f"Pooled over {over}: the mean of the per-seed differences (over the seeds that have both rows); "
                 "95% interval resampling the kinds (all tasks of a drawn kind, the same draw for every seed); "
-                "wins = the seeds where a is ahead.", "",
-                "| a | b | metric | seeds | kinds | mean diff [95%, kinds] | per seed | wins |",
-                "|---|---|---|---|---|---|---|---|"]
+                "wins = the seeds where a is ahead; tasks = all, or only the kinds that need the observation.", "",
+                "| a | b | metric | tasks | seeds | kinds | mean diff [95%, kinds] | per seed | wins |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for p in report["pooled"]:
             per_seed = ", ".join(f"{d:+.3f}" for d in p["per_seed"])
-            out.append(f"| {p['a']} | {p['b']} | {p['metric']} | {len(p['seeds'])} | {p['kinds']} | "
-                       f"{p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] | {per_seed} | {p['wins']}/{len(p['seeds'])} |")
+            out.append(f"| {p['a']} | {p['b']} | {p['metric']} | {p.get('subset', 'all')} | {len(p['seeds'])} | "
+                       f"{p['kinds']} | {p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] | {per_seed} | "
+                       f"{p['wins']}/{len(p['seeds'])} |")
     if report.get("dynamic_eval_sweep"):
         out += ["", "Dynamic evaluation's inner step, tuned per SFT model and seed on the dev task suite (success "
                 "in mode ttt; the pick: best success, ties to the smaller lr, then the smaller clip norm):", "",

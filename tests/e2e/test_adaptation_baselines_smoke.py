@@ -71,8 +71,12 @@ def test_baselines_smoke_writes_every_row_with_intervals(tmp_path):
     assert {(p["a"], p["b"]) for p in tasks["paired"]} >= {("ttt_full/ttt", "dyn_sft_full/ttt"),
                                                            ("ttt_current/ttt", "ttt_first_order/ttt")}
     assert {p["seed"] for p in tasks["paired"]} == {0}
-    pooled = {(p["a"], p["b"]): p for p in tasks["pooled"]}
+    pooled = {(p["a"], p["b"]): p for p in tasks["pooled"] if p["subset"] == "all"}
     assert {(p["a"], p["b"]) for p in tasks["paired"]} == set(pooled)
+    observed = [p for p in tasks["pooled"] if p["subset"] == "needs_observation"]  # only when some kind is fixed-script
+    fixed_script = [k for k, v in tasks["suite"]["kinds"].items() if v.get("needs_observation") is False]
+    assert len(observed) == (len(pooled) if fixed_script else 0)
+    assert all(p["kinds"] == pooled[(p["a"], p["b"])]["kinds"] - len(fixed_script) for p in observed)
     for p in tasks["paired"]:  # one seed: pooled is that seed's difference and kind-resampling interval
         q = pooled[(p["a"], p["b"])]
         assert q["seeds"] == [0] and (q["diff"], q["lo"], q["hi"]) == pytest.approx((p["diff"], p["kinds_lo"], p["kinds_hi"]))
@@ -88,12 +92,20 @@ def test_baselines_smoke_writes_every_row_with_intervals(tmp_path):
             k: test_run["provenance"]["dynamic_eval_overrides"][k] for k in sweep["chosen"]}
     assert "Pooled over training seeds 0" in (tmp_path / "agent_tasks.md").read_text()
 
-    # the same command again: everything is there, so every step is skipped and only the reports are rebuilt
-    again = subprocess.run(["bash", str(ROOT / "benchmarks/adaptation_baselines.sh"), str(work)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)
+    # the same command again, as after the main job (MAIN: its data, sets, suite and model, the seed read from
+    # its run config): everything is there, so every step is skipped and only the reports are rebuilt
+    main = tmp_path / "main"
+    main.mkdir()
+    for name, target in (("data", work / "data"), ("sets", work / "sets"), ("tasks", work / "tasks"),
+                         ("run", seed0 / "ttt_current")):
+        (main / name).symlink_to(target)
+    again = subprocess.run(["bash", str(ROOT / "benchmarks/adaptation_baselines.sh"), str(work)], cwd=ROOT,
+                           env={**env, "MAIN": str(main)}, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"[baselines] data: {main}/data/manifest.json" in again.stdout
     skipped = [line for line in (again.stdout + again.stderr).splitlines() if line.endswith("exists, skipped")]
-    assert len(skipped) == 4 + 6 + 8 + 2 * 2 + 8, "\n".join(skipped)  # data, sets, 2 suites; rows; scores; sweeps; tasks
+    assert "[baselines] seed 0 ttt_current (the main job's model, " in "\n".join(skipped)
+    assert len(skipped) == 3 + 6 + 8 + 2 * 2 + 8, "\n".join(skipped)  # sets, 2 suites; rows; scores; sweeps; tasks
     steps = [line for line in again.stdout.splitlines() if line.startswith("=== ")]
     assert not [line for line in steps if ": train " in line or ": resume " in line], steps
     assert json.loads((tmp_path / "agent_tasks.json").read_text())["pooled"] == tasks["pooled"]
@@ -112,8 +124,9 @@ def test_baselines_smoke_writes_every_row_with_intervals(tmp_path):
                     "--out", str(tmp_path / "two_seeds")], cwd=ROOT, check=True, capture_output=True, timeout=120)
     two = json.loads((tmp_path / "two_seeds.json").read_text())
     assert {r["seed"] for r in two["rows"]} == {0, 1}
+    one_seed = {(p["a"], p["b"], p["subset"]): p for p in tasks["pooled"]}
     for p in two["pooled"]:
-        q = pooled[(p["a"], p["b"])]
+        q = one_seed[(p["a"], p["b"], p["subset"])]
         assert p["seeds"] == [0, 1] and (p["diff"], p["lo"], p["hi"]) == pytest.approx((q["diff"], q["lo"], q["hi"]))
         assert p["wins"] == 2 * q["wins"]
     assert report["load"]["start"] is not None and report["load"]["end"] is not None

@@ -3,7 +3,8 @@ evaluation's tuned inner step (ds_ttt/evaluation/dynamic_eval.py, evals/dynamic_
   * the kind-clustered bootstrap: near-copy tasks within a kind make the task-level interval narrow
     but not the kind-level one; a difference constant across kinds has a zero-width interval; pooled
     over one seed is that seed's interval; the same kinds are drawn for every seed;
-  * build_report's `pooled` list, per-seed rows and pairs, and each pair labelled with its own metric;
+  * build_report's `pooled` list (over every task and over the kinds that need the observation; a control
+    trained on fewer seeds pooled over those), per-seed rows and pairs, each pair labelled with its own metric;
   * the sweep's pick rule, the `--inner` overrides and the sweep CLI.
 
 Run: python -m pytest tests/unit/test_agent_report_pooled.py
@@ -104,7 +105,8 @@ def test_build_report_pools_seeds_and_writes_the_pooled_list():
         (s, "ttt_current/ttt", "sft_full/sft") for s in range(3)]
     for p in report["paired"]:
         assert p["kinds_lo"] <= p["diff"] <= p["kinds_hi"]
-    (pooled,) = report["pooled"]
+    pooled, observed = report["pooled"]
+    assert (pooled["subset"], observed["subset"]) == ("all", "needs_observation")
     assert {"a", "b", "seeds", "diff", "lo", "hi", "wins"} <= set(pooled)
     assert pooled["a"] == "ttt_current/ttt" and pooled["b"] == "sft_full/sft" and pooled["seeds"] == [0, 1, 2]
     assert pooled["per_seed"] == pytest.approx([2 / 17, 1 / 17, -1 / 17])
@@ -115,13 +117,45 @@ def test_build_report_pools_seeds_and_writes_the_pooled_list():
     assert "| 1 | ttt_current/ttt | sft_full/sft | pass@1 |" in md  # the per-seed pair of seed 1
 
 
-def test_build_report_refuses_seeds_with_other_rows_and_a_row_given_twice():
+def test_build_report_refuses_a_later_seed_without_the_headline_or_with_a_new_row_and_a_row_given_twice():
     a = scored("ttt_current", by_kind({"k00"}), seed=0, mode="ttt")
-    with pytest.raises(ValueError, match="same rows"):
-        build_report([a, scored("sft_full", by_kind(set()), seed=0), scored("ttt_current", by_kind(set()), seed=1,
-                                                                            mode="ttt")], command="", seeds={}, load={})
+    with pytest.raises(ValueError, match="headline row ttt_current/ttt"):
+        build_report([a, scored("sft_full", by_kind(set()), seed=0), scored("sft_full", by_kind(set()), seed=1)],
+                     command="", seeds={}, load={})
+    with pytest.raises(ValueError, match="no row that seed 0 lacks"):
+        build_report([a, scored("ttt_current", by_kind(set()), seed=1, mode="ttt"),
+                      scored("sft_full", by_kind(set()), seed=1)], command="", seeds={}, load={})
     with pytest.raises(ValueError, match="given twice"):
         build_report([a, a], command="", seeds={}, load={})
+
+
+def test_a_control_trained_on_the_first_seed_only_is_pooled_over_that_seed_alone():
+    # sft_full on three seeds, sft_full_compute on seed 0 only (a control measured once)
+    files = [scored("ttt_current", by_kind({"k00", "k01"}), seed=s, mode="ttt") for s in range(3)]
+    files += [scored("sft_full", by_kind({"k00"}), seed=s) for s in range(3)]
+    files.append(scored("sft_full_compute", by_kind(set()), seed=0))
+    report = build_report(files, command="", seeds={}, load={})
+    pooled = {(p["b"], p["subset"]): p for p in report["pooled"] if p["a"] == "ttt_current/ttt"}
+    assert pooled[("sft_full/sft", "all")]["seeds"] == [0, 1, 2]
+    assert pooled[("sft_full_compute/sft", "all")]["seeds"] == [0]
+    assert pooled[("sft_full_compute/sft", "all")]["per_seed"] == pytest.approx([2 / 17])
+    assert [(p["seed"], p["b"]) for p in report["paired"] if p["b"] == "sft_full_compute/sft"] == [
+        (0, "sft_full_compute/sft")]
+    assert "| ttt_current/ttt | sft_full_compute/sft | pass@1 | all | 1 |" in markdown(report)
+
+
+def test_pooled_also_rests_on_the_kinds_that_need_the_observation():
+    # a wins only on the fixed-script kinds k15, k16: ahead over all tasks, level where it counts
+    files = [f for s in range(3) for f in (scored("ttt_current", by_kind({"k00", "k15", "k16"}), seed=s, mode="ttt"),
+                                           scored("sft_full", by_kind({"k00"}), seed=s))]
+    report = build_report(files, command="", seeds={}, load={})
+    pooled = {p["subset"]: p for p in report["pooled"]}
+    assert set(pooled) == {"all", "needs_observation"}
+    assert pooled["all"]["diff"] == pytest.approx(2 / 17) and pooled["all"]["wins"] == 3
+    observed = pooled["needs_observation"]
+    assert observed["kinds"] == NUM_KINDS - 2 and observed["tasks"] == (NUM_KINDS - 2) * PER_KIND
+    assert observed["diff"] == observed["lo"] == observed["hi"] == 0.0 and observed["wins"] == 0
+    assert "| ttt_current/ttt | sft_full/sft | pass@1 | needs_observation | 3 | 15 | +0.000" in markdown(report)
 
 
 def test_each_pair_is_labelled_with_its_own_metric():

@@ -24,12 +24,14 @@ One concept per module, each importing only those listed above it:
   bwrap.py       the bubblewrap command line: namespaces, read-only system, private tmpfs mounts
   caps.py        the episode's cgroup: memory, processes and CPU capped (v2, v1, systemd)
   files.py       the host side of a sandbox's directory: removal, the safe export filter
-  shell.py       Shell: one episode's sandbox (process, shell, files, commands), isolation unprobed
+  process.py     ShellProcess: one started sandbox process, its pipes, status lines and kills
+  command.py     CommandChannel: one command through the episode's shell; the shell's restarts
+  shell.py       Shell: one episode's sandbox (options, cgroup, files, commands), isolation unprobed
   probe.py       does isolation (a real sandbox) / a cgroup work here; the choices resolved
   __init__.py    Sandbox: Shell with its isolation resolved by probe.py; the public names below
 
 Import the public names from here; tests that patch a module's global (probe.isolation_problem,
-shell.KILL_GRACE_SEC, caps.CGROUP_ROOT) patch the module that defines it.
+process.KILL_GRACE_SEC, caps.CGROUP_ROOT) patch the module that defines it.
 """
 
 from __future__ import annotations
@@ -56,5 +58,5 @@ class Sandbox(Shell):
     """
 
     @staticmethod
-    def _settle_isolation(isolation: str) -> str:
+    def settle_isolation(isolation: str) -> str:
         return resolve_isolation(isolation)

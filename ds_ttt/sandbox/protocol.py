@@ -16,7 +16,7 @@ has started (its pid inside the sandbox), "reaped 0" after a reap. EOF reads as 
 does anything else (not the protocol: the shell is treated as gone). A command's own output goes to a
 separate pipe, so nothing it prints can be read as a status.
 
-The other side of the protocol is the shell code in `supervisor.py`; `shell.py` (`Shell._request`) drives it.
+The other side of the protocol is the shell code in `supervisor.py`; `command.py` (`CommandChannel.run`) drives it, through `process.py`.
 """
 
 from __future__ import annotations

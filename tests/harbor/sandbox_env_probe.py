@@ -97,7 +97,7 @@ async def probe(environment_dir: Path, scratch: Path) -> dict:
     out["downloaded"] = sorted(str(p.relative_to(down)) for p in down.rglob("*"))
     await env.download_file("/tmp/deep/new/b.txt", scratch / "b.txt")
     out["downloaded_file"] = (scratch / "b.txt").read_text()
-    pids = [env.sandbox._proc.pid] + [p for p, _ in process_tree(env.sandbox._proc.pid)]
+    pids = [env.sandbox.pid] + [p for p, _ in process_tree(env.sandbox.pid)]
     out["processes_before_stop"] = len(alive(pids))
     await env.stop(delete=True)
     time.sleep(0.2)

@@ -64,7 +64,7 @@ def test_caps_are_set_and_every_process_is_inside_before_the_first_command(isola
         group = sb._cgroup
         assert sb.cgroup_caps == group.backend in ("cgroup-v1", "cgroup-v2", "systemd")
         res = sb.run("cat /proc/self/cgroup; echo $$")
-        tree = {pid for pid, _start in process_tree(sb._proc.pid)} | {sb._proc.pid}
+        tree = {pid for pid, _start in process_tree(sb.pid)} | {sb.pid}
         assert tree - {os.getpid()} <= members(group), (tree, members(group))  # bwrap, PID 1, the shell, `cat`'s shell
         if group.backend == "cgroup-v1":
             d = group.dirs
@@ -156,7 +156,7 @@ def test_the_cgroup_is_removed_after_kills_and_takes_escaped_processes_with_it()
     assert res.timed_out
     escaped = int(res.output.split()[0])
     try:
-        assert escaped not in {pid for pid, _ in process_tree(sb._proc.pid)} and escaped in members(sb._cgroup)
+        assert escaped not in {pid for pid, _ in process_tree(sb.pid)} and escaped in members(sb._cgroup)
         dirs = sb._cgroup._dirs()
     finally:
         sb.close()

@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from ds_ttt.sandbox import Sandbox, format_observation, probe, shell
+from ds_ttt.sandbox import Sandbox, format_observation, probe, process, shell
 from ds_ttt.sandbox.kill import process_tree
 from ds_ttt.serve.runner import BashToolRunner
 
@@ -87,8 +87,8 @@ def test_attack_fails(place, attack, targets):
 
     def watch():  # the sandbox's process count, seen from the host
         while not stop.is_set():
-            if p.sb._proc is not None:
-                peak[0] = max(peak[0], len(process_tree(p.sb._proc.pid)))
+            if p.sb.pid is not None:
+                peak[0] = max(peak[0], len(process_tree(p.sb.pid)))
             time.sleep(0.01)
 
     watcher = threading.Thread(target=watch)
@@ -101,10 +101,10 @@ def test_attack_fails(place, attack, targets):
         # the sandbox kills the bomb's processes when the command ends; their exits are reaped
         # asynchronously, so wait (bounded) for the count to settle before judging it
         deadline = time.monotonic() + 10.0
-        left = len(process_tree(p.sb._proc.pid))
+        left = len(process_tree(p.sb.pid))
         while left > 3 and time.monotonic() < deadline:
             time.sleep(0.1)
-            left = len(process_tree(p.sb._proc.pid))
+            left = len(process_tree(p.sb.pid))
     finally:
         stop.set()
         watcher.join()
@@ -152,7 +152,7 @@ def test_a_background_fork_bomb_never_outlives_its_command():
             sb.run(":(){ :|:& };: ; sleep 0.5; echo done", timeout=5)
             after = sb.run("echo alive", timeout=5)
             assert after.output == "alive\n", after.output[:200]
-            assert len(process_tree(sb._proc.pid)) <= 3
+            assert len(process_tree(sb.pid)) <= 3
 
 
 
@@ -178,20 +178,20 @@ def test_the_hosts_kills_leave_no_job_notices_in_the_next_command(stop):
             assert says(res), (res.output, res.process_limit_hit, res.timed_out)
             after = sb.run("echo alive")
             assert after.output == "alive\n", after.output[:400]
-            assert len(process_tree(sb._proc.pid)) <= 2
+            assert len(process_tree(sb.pid)) <= 2
 
 
 def test_a_late_reap_answer_is_skipped_not_misread(monkeypatch):
     """On a loaded machine the shell can answer the reap after the host stopped waiting for it (CI, load
     20 during the fork-bomb tests: the first reap treated that as a dead shell and stopped the sandbox).
     A late answer must cost nothing: the next command gets its own status and output, no restart."""
-    monkeypatch.setattr(shell, "KILL_GRACE_SEC", 0.0)  # the host never waits for the answer
+    monkeypatch.setattr(process, "KILL_GRACE_SEC", 0.0)  # the host never waits for the answer
     with Sandbox(parent="/tmp", max_processes=32, timeout=TIMEOUT) as sb:
         for _ in range(3):
             assert sb.run(STOPS["process limit"][0]).process_limit_hit
             after = sb.run("echo alive; (exit 3)")
             assert (after.output, after.exit_code, after.shell_restarted) == ("alive\n", 3, False)
-            assert sb._proc is not None and sb.num_restarts == 0
+            assert sb.pid is not None and sb.num_restarts == 0
 
 
 def resource_options() -> dict:
@@ -221,7 +221,7 @@ def test_resource_attack_is_capped_for_the_whole_episode(place, attack):
     cgroup_dirs = group._dirs() if group is not None else []
     cpu_rate = cgroup_cpu_rate = memory_in_cgroup = None
     try:
-        with ResourceWatch(lambda: p.sb._proc.pid if p.sb._proc is not None else None,
+        with ResourceWatch(lambda: p.sb.pid,
                            kill_above=2 * memory_cap) as watch:
             out = p.observe(RESOURCE_ATTACKS[attack])
             if attack == "busy_cores":  # the spinners run on in the background: measure them over 1.5 s

@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/serve_concurrency.py           # ~17 min: 1,4,8,16 sessions, 256 tokens, 5 repeats + 12 paired rounds
     .venv/bin/python benchmarks/serve_concurrency.py --levels 1,8 --max-tokens 32 --repeats 1   # quick look
     (--without-today: only this tree's two servers, for an export today's server cannot load)
+    .venv/bin/python benchmarks/serve_concurrency.py --against main --without-today --repeats 1   # before/after a change
+    .venv/bin/python benchmarks/serve_concurrency.py --device cuda --shape qwen3-0.6b --levels 1,8,32 --only-batched
 
-Three servers, each `python -m ds_ttt.serve.http` in its own process (OMP_NUM_THREADS=1 each, so the
+Three servers, each `python -m ds_ttt.serve.frontends.http` in its own process (OMP_NUM_THREADS=1 each, so the
 comparison is per core, not per thread count), all loading one export (benchmarks/serve_decode.py's
 model: the main job's `tiny-mem` preset and TTT settings, compact vocabulary, random init):
 
@@ -31,12 +33,25 @@ Then a paired phase (--pairs rounds): the batched server alone runs its levels b
 round gives the ratio of every level to one session measured side by side (this VM's speed drifts by
 tens of percent over seconds, so ratios across the interleaved table above are noisier); reported as
 the median with a bootstrap 95% interval over rounds.
+--against REV: before and after a change, in one run on one machine. REV's batched server (REV's ds_ttt,
+unpacked with `git archive` as today's is) joins the run as the server "against", in the table and in
+the paired phase: each round runs both servers' levels, interleaved (which one goes first alternates by
+round), and gives per level this tree's scaling ratio (n sessions / one, decode tokens/s) over REV's,
+and this tree's decode rate over REV's, each the median with a bootstrap 95% interval over rounds.
+--only-batched leaves out today's server and the unbatched one (the GPU check's serve_concurrency phase).
+--shape: the backbone (tiny_qwen3_config arguments; the TTT settings stay the main job's): tiny-mem (the
+default), wide (--wide: hidden 512, 8 layers) or qwen3-0.6b (Qwen3-0.6B's: hidden 1024, 28 layers, 16 / 8
+heads of 128, intermediate 3072; untied head, compact vocabulary, random weights). --device cuda serves
+on the GPU.
+What it ran on is recorded with the results: the CPU model (/proc/cpuinfo), the GPU's name with --device
+cuda, the batched server's one-session decode rate (tokens/s), and the load average of all three windows
+(1, 5, 15 min) at the start and the end.
 Every request starts a new conversation with the same system prompt and tools, so from the warm-up on
 this tree's servers take the system block from their prompt cache (ds_ttt/serve/prefix_cache.py), as a
 fleet's sessions do; today's server prefills it every time.
-The load average is recorded at the start and the end (start only when it is below --max-load and no
-other measurement holds /tmp/ds_ttt_measuring, which this run holds while it measures).
-Results: benchmarks/results/serve_concurrency.{json,md}.
+The run starts only when the 1-minute load is below --max-load and no other measurement holds
+/tmp/ds_ttt_measuring, which this run holds while it measures.
+Results: benchmarks/results/serve_concurrency.{json,md} (--shape S: serve_concurrency_S.{json,md}).
 """
 
 from __future__ import annotations
@@ -61,9 +76,12 @@ import httpx
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results"
 DEFAULT_BASE = "187dd17"  # the last commit whose server decodes one request at a time
-# --wide: the backbone (tiny_qwen3_config arguments) instead of tiny-mem's; the TTT settings stay the main job's
+# --shape: the backbone (tiny_qwen3_config arguments) instead of tiny-mem's; the TTT settings stay the main job's
 WIDE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
         "num_key_value_heads": 4, "head_dim": 64}
+QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "head_dim": 128}
+SHAPES = {"tiny-mem": None, "wide": WIDE, "qwen3-0.6b": QWEN3_0_6B}
 
 
 def load_serve_decode():
@@ -73,10 +91,36 @@ def load_serve_decode():
     return mod
 
 
+def machine(device: str) -> dict:
+    """What the run ran on: the CPU model, the GPU's name (device cuda), the core count, the platform."""
+    cpu = next((line.split(":", 1)[1].strip() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown")
+    gpu = None
+    if device.startswith("cuda"):
+        import torch
+        gpu = torch.cuda.get_device_name()
+    return {"cpu_model": cpu, "gpu": gpu, "device": device, "cpu_count": os.cpu_count(),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def http_module(code_dir: pathlib.Path) -> str:
+    """The OpenAI-compatible server's module in that tree (it moved into ds_ttt/serve/frontends/)."""
+    return ("ds_ttt.serve.frontends.http" if (code_dir / "ds_ttt" / "serve" / "frontends" / "http.py").exists()
+            else "ds_ttt.serve.http")
+
+
+def unpack(rev: str, into: pathlib.Path) -> str:
+    """REV's ds_ttt/ unpacked into `into` (git archive: the checkout is not touched); REV's full sha."""
+    into.mkdir()
+    archive = subprocess.run(["git", "archive", rev, "ds_ttt"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return subprocess.run(["git", "rev-parse", rev], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
 def start_server(name: str, code_dir: pathlib.Path, export: pathlib.Path, extra: list[str], log_dir: pathlib.Path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(code_dir))
     log = open(log_dir / f"{name}.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "ds_ttt.serve.http", "--model", str(export), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", http_module(code_dir), "--model", str(export), "--port", "0",
                              "--max-sessions", "128", "--max-new-tokens", "512", *extra],
                             stderr=log, stdout=log, env=env, cwd=code_dir)
     deadline = time.time() + 600
@@ -138,14 +182,24 @@ def main(argv=None) -> int:
                    "(the paired scaling ratio)")
     p.add_argument("--base", default=DEFAULT_BASE, help="commit of today's (unbatched) server")
     p.add_argument("--max-load", type=float, default=2.5, help="wait until the 1-min load average is below this")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny-mem", help="the backbone (SHAPES); results of a "
+                   "shape other than tiny-mem go to serve_concurrency_<shape>.{json,md}")
     p.add_argument("--wide", action="store_true",
-                   help="a wider backbone (WIDE: hidden 512, 8 layers), whose weights outweigh each session's KV "
-                        "cache as an 8B model's do; results go to serve_concurrency_wide.{json,md}")
+                   help="--shape wide: a wider backbone (hidden 512, 8 layers), whose weights outweigh each session's "
+                        "KV cache as an 8B model's do")
+    p.add_argument("--device", default="cpu", help="the servers' device (cpu, cuda)")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--without-today", action="store_true",
                    help="leave out today's server (--base): it cannot load an export whose model has a feature it "
                         "predates (the main job's round address), and fails at start with an unknown config key")
+    p.add_argument("--only-batched", action="store_true", help="leave out today's server and the unbatched one")
+    p.add_argument("--against", metavar="REV", default=None,
+                   help="also REV's batched server (a git revision, e.g. main or HEAD~1): the scaling ratio and the "
+                        "decode rate of this tree over REV's, paired by round")
     args = p.parse_args(argv)
+    args.shape = "wide" if args.wide else args.shape
+    if args.repeats < 1 or args.pairs < 1:
+        p.error("--repeats and --pairs must be >= 1")
     levels = [int(x) for x in args.levels.split(",")]
     waited = 0
     while os.getloadavg()[0] >= args.max_load or pathlib.Path("/tmp/ds_ttt_measuring").exists():
@@ -166,19 +220,20 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
     from ds_ttt.data.generator import BASH_TOOL, SYSTEM_PROMPT
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="serve_concurrency_"))
-    export, model_info = load_serve_decode().build_export(tmp / "export", WIDE if args.wide else None)
-    old = tmp / "today"
-    old.mkdir()
-    archive = subprocess.run(["git", "archive", args.base, "ds_ttt"], cwd=REPO, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-    base_sha = subprocess.run(["git", "rev-parse", args.base], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
+    export, model_info = load_serve_decode().build_export(tmp / "export", SHAPES[args.shape])
+    base_sha = unpack(args.base, tmp / "today")
+    against_sha = unpack(args.against, tmp / "against") if args.against else None
+    device = ["--device", args.device] if args.device != "cpu" else []
     servers = {}
     try:
-        if not args.without_today:
-            servers["today"] = start_server("today", old, export, [], tmp)
-        servers["unbatched"] = start_server("unbatched", REPO, export, ["--no-batching", "--max-active", "32"], tmp)
-        servers["batched"] = start_server("batched", REPO, export, ["--max-active", "32"], tmp)
+        if not (args.without_today or args.only_batched):
+            servers["today"] = start_server("today", tmp / "today", export, device, tmp)
+        if not args.only_batched:
+            servers["unbatched"] = start_server("unbatched", REPO, export, ["--no-batching", "--max-active", "32", *device],
+                                                tmp)
+        servers["batched"] = start_server("batched", REPO, export, ["--max-active", "32", *device], tmp)
+        if args.against:
+            servers["against"] = start_server("against", tmp / "against", export, ["--max-active", "32", *device], tmp)
         model = "export"
         for name, (_, url) in servers.items():  # warm-up
             level(url, model, 1, 8, [BASH_TOOL], SYSTEM_PROMPT, f"warm-{name}")
@@ -192,14 +247,16 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
                     print(f"rep {rep} N={n:2d} {name:9s} {res['tokens_per_s']:8.1f} tok/s{dec}  p50 {res['p50_ms']:.1f} ms"
                           f"  p95 {res['p95_ms']:.1f} ms  ({res['tokens']} tokens, {res['wall_s']:.2f} s)",
                           file=sys.stderr, flush=True)
-        # the batched server alone, its levels back to back in rounds: the scaling ratio measured side by side
-        paired: dict = {n: [] for n in levels}
+        # the batched server(s) alone, levels back to back in rounds: the scaling ratio measured side by side;
+        # with --against both trees' servers in each round, the one going first alternating by round
+        paired: dict = {name: {n: [] for n in levels} for name in ("batched", "against") if name in servers}
         for rnd in range(args.pairs):
-            for n in levels:
-                paired[n].append(level(servers["batched"][1], model, n, args.max_tokens, [BASH_TOOL], SYSTEM_PROMPT,
-                                       f"p{rnd}"))
-            print(f"round {rnd}: decode tokens/s " + ", ".join(f"{n}: {paired[n][-1]['decode_tokens_per_s']:.0f}"
-                                                              for n in levels), file=sys.stderr, flush=True)
+            for name in (list(paired) if rnd % 2 == 0 else list(paired)[::-1]):
+                for n in levels:
+                    paired[name][n].append(level(servers[name][1], model, n, args.max_tokens, [BASH_TOOL],
+                                                 SYSTEM_PROMPT, f"p{rnd}"))
+                print(f"round {rnd} {name}: decode tokens/s " + ", ".join(
+                    f"{n}: {paired[name][n][-1]['decode_tokens_per_s']:.0f}" for n in levels), file=sys.stderr, flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -219,8 +276,11 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
     # the same greedy replies from every server (a check that they did the same work)
     first = next(iter(runs))
     same = all(runs[a][n][0]["replies"] == runs[first][n][0]["replies"] for a in runs for n in levels)
-    res = {"base_commit": base_sha, "model": model_info, "levels": levels, "max_tokens": args.max_tokens,
-           "repeats": args.repeats, "table": table, "same_replies": same,
+    one = [r["decode_tokens_per_s"] for r in runs["batched"][1] + paired["batched"][1]] if 1 in levels else []
+    res = {"base_commit": base_sha, "model": model_info, "shape": args.shape, "levels": levels,
+           "max_tokens": args.max_tokens, "repeats": args.repeats, "table": table, "same_replies": same,
+           "machine": machine(args.device),
+           "one_session_decode_tokens_per_s": statistics.median(one) if one else None,
            # ratios within each repeat (the levels of one repeat run back to back), then median [min, max]
            "speedup_vs_one": ratios(runs["batched"], runs["batched"], levels, "tokens_per_s", base=levels[0]),
            "decode_speedup_vs_one": ratios(runs["batched"], runs["batched"], levels, "decode_tokens_per_s",
@@ -229,14 +289,15 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
                                          base=levels[0]),
            "speedup_vs_today": ratios(runs["batched"], runs["today"], levels, "tokens_per_s") if "today" in runs else {},
            "pairs": args.pairs,
-           "paired_decode_speedup": paired_ratios(paired, levels, "decode_tokens_per_s"),
-           "paired_speedup": paired_ratios(paired, levels, "tokens_per_s"),
+           "paired_decode_speedup": paired_ratios(paired["batched"], levels, "decode_tokens_per_s"),
+           "paired_speedup": paired_ratios(paired["batched"], levels, "tokens_per_s"),
+           "against": against(paired, levels, args.against, against_sha) if args.against else None,
            "load_start": load_start, "load_end": load_end, "cpu_count": os.cpu_count(),
            "platform": platform.platform(), "python": platform.python_version()}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "serve_concurrency_wide" if args.wide else "serve_concurrency"
-    res["wide"] = WIDE if args.wide else None
+    stem = "serve_concurrency" if args.shape == "tiny-mem" else f"serve_concurrency_{args.shape}"
+    res["wide"] = WIDE if args.shape == "wide" else None
     (out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))
@@ -252,17 +313,31 @@ def ratios(num: dict, den: dict, levels: list[int], key: str, base: int | None =
     return out
 
 
-def paired_ratios(paired: dict, levels: list[int], key: str, resamples: int = 2000) -> dict:
-    """Per level n: the ratio n / levels[0] within each round; its median with a percentile-bootstrap 95%
-    interval over rounds."""
+def median_interval(rs: list[float], resamples: int = 2000) -> dict:
+    """The median of per-round values with a percentile-bootstrap 95% interval over rounds."""
     rng = random.Random(0)
-    out = {}
-    for n in levels:
-        rs = [a[key] / b[key] for a, b in zip(paired[n], paired[levels[0]])]
-        boot = sorted(statistics.median(rng.choices(rs, k=len(rs))) for _ in range(resamples))
-        out[n] = {"median": statistics.median(rs), "lo": boot[int(0.025 * resamples)],
-                  "hi": boot[int(0.975 * resamples) - 1], "ratios": rs}
-    return out
+    boot = sorted(statistics.median(rng.choices(rs, k=len(rs))) for _ in range(resamples))
+    return {"median": statistics.median(rs), "lo": boot[int(0.025 * resamples)],
+            "hi": boot[int(0.975 * resamples) - 1], "ratios": rs}
+
+
+def paired_ratios(paired: dict, levels: list[int], key: str) -> dict:
+    """Per level n: the ratio n / levels[0] within each round; its median with a bootstrap interval over rounds."""
+    return {n: median_interval([a[key] / b[key] for a, b in zip(paired[n], paired[levels[0]])]) for n in levels}
+
+
+def against(paired: dict, levels: list[int], rev: str, sha: str) -> dict:
+    """--against: per level, within each round, this tree's scaling ratio (decode tokens/s at n sessions over
+    one) over REV's, and this tree's decode rate over REV's; medians with bootstrap intervals over rounds."""
+    key = "decode_tokens_per_s"
+    mine, theirs = paired_ratios(paired["batched"], levels, key), paired_ratios(paired["against"], levels, key)
+    return {"rev": rev, "commit": sha, "paired_decode_speedup": theirs,
+            "scaling_ratio_over_against": {n: median_interval([a / b for a, b in zip(mine[n]["ratios"],
+                                                                                     theirs[n]["ratios"])])
+                                           for n in levels},
+            "decode_over_against": {n: median_interval([a[key] / b[key] for a, b in zip(paired["batched"][n],
+                                                                                        paired["against"][n])])
+                                    for n in levels}}
 
 
 def best_single(runs: dict, one: int) -> dict:
@@ -271,18 +346,34 @@ def best_single(runs: dict, one: int) -> dict:
     return {one: [max((runs[name][one][r] for name in runs), key=lambda x: x["tokens_per_s"]) for r in range(reps)]}
 
 
+def ran_on(res: dict) -> str:
+    """The markdown line saying what the run ran on (a result without the record says so)."""
+    m = res.get("machine")
+    if m is None:
+        return "What it ran on was not recorded (a run before the benchmark recorded it)."
+    one = res.get("one_session_decode_tokens_per_s")
+    load = ", ".join(f"{x:.2f}" for x in res["load_start"]) + " at the start, " + \
+        ", ".join(f"{x:.2f}" for x in res["load_end"]) + " at the end"
+    return (f"Ran on: {m['cpu_model']} ({m['cpu_count']} CPUs)" + (f", GPU {m['gpu']}" if m.get("gpu") else "")
+            + f", device {m['device']}; one-session decode rate (batched server) "
+            + (f"{one:.1f} tokens/s" if one else "not measured (no level of 1 session)")
+            + f"; load average (1, 5, 15 min) {load}.")
+
+
 def markdown(res: dict) -> str:
+    shape = res.get("shape") or ("wide" if res.get("wide") else "tiny-mem")
     lines = [f"# Serving concurrency (benchmarks/serve_concurrency.py)", "",
-             f"Model: {res['model']['preset']}{' widened (--wide)' if res.get('wide') else ''} "
+             f"Model: {res['model']['preset']}{'' if shape == 'tiny-mem' else f' with the {shape} backbone'} "
              f"({res['model']['num_layers']} layers, hidden {res['model']['hidden']}), "
              f"vocab {res['model']['vocab_size']}; greedy, {res['max_tokens']} new tokens per request, "
              f"{res['repeats']} repeats (medians); one thread per server process; "
              + (f"today = {res['base_commit'][:7]}. " if "today" in res["table"] else
-                "today's server not run (--without-today: it cannot load this export). ")
-             + f"Load average at start {res['load_start'][0]:.2f}, at end {res['load_end'][0]:.2f} "
-             f"({res['cpu_count']} CPUs). Same replies on every server: {res['same_replies']}.", "",
+                "today's server not run. ")
+             + (f"against = {res['against']['rev']} ({res['against']['commit'][:7]}). " if res.get("against") else "")
+             + f"Same replies on every server: {res['same_replies']}.", "",
+             ran_on(res), "",
              "Aggregate tokens/s: every completion token over the wall time of the level (prefill, HTTP and all). "
-             "Decode tokens/s (batched server only): tokens fed through batched forwards over the scheduler's time "
+             "Decode tokens/s (batched servers only): tokens fed through batched forwards over the scheduler's time "
              "in them (its /health counters), i.e. the batch's decode rate without the prefill and turn-end "
              "chunks interleaved with it.", "",
              "| sessions | server | aggregate tokens/s | decode tokens/s | p50 ms/token | p95 ms/token |",
@@ -305,15 +396,22 @@ def markdown(res: dict) -> str:
               *([row("batched aggregate vs today's server at the same concurrency", "speedup_vs_today")]
                 if res["speedup_vs_today"] else []), ""]
 
-    def paired_row(label: str, key: str) -> str:
+    def paired_row(label: str, values: dict) -> str:
         return f"| {label} | " + " | ".join(f"x{v['median']:.2f} [{v['lo']:.2f}, {v['hi']:.2f}]"
-                                            for v in res[key].values()) + " |"
+                                            for v in values.values()) + " |"
+    ag = res.get("against")
     lines += [f"Paired: the batched server alone, its levels back to back in each of {res['pairs']} rounds (the "
-              "ratio to one session within a round); median with a bootstrap 95% interval over rounds:", "",
+              "ratio to one session within a round); median with a bootstrap 95% interval over rounds"
+              + (f"; with --against, {ag['rev']}'s batched server in the same rounds, the order alternating" if ag
+                 else "") + ":", "",
               "| ratio | " + " | ".join(f"{n} sessions" for n in res["levels"]) + " |",
               "|---|" + "---|" * len(res["levels"]),
-              paired_row("batched decode tokens/s vs one session", "paired_decode_speedup"),
-              paired_row("batched aggregate tokens/s vs one session", "paired_speedup"), ""]
+              paired_row("batched decode tokens/s vs one session", res["paired_decode_speedup"]),
+              paired_row("batched aggregate tokens/s vs one session", res["paired_speedup"]),
+              *([paired_row(f"{ag['rev']}: batched decode tokens/s vs one session", ag["paired_decode_speedup"]),
+                 paired_row(f"scaling ratio, this tree over {ag['rev']}", ag["scaling_ratio_over_against"]),
+                 paired_row(f"decode tokens/s, this tree over {ag['rev']}", ag["decode_over_against"])] if ag else []),
+              ""]
     return "\n".join(lines)
 
 

@@ -57,7 +57,10 @@
 # Writes OUT.{json,md,png} per seed (OUT = benchmarks/results/adaptation_baselines, OUT_seed<s> with
 # several seeds; SMOKE: WORK_DIR/report) and OUT_TASKS.{json,md,png} (benchmarks/results/agent_tasks)
 # over every seed: per-seed rows and pairs, `pooled` (each pair's mean difference over the seeds with a
-# 95% interval that resamples the 17 kinds, and the seeds the first row wins) and the sweeps.
+# 95% interval that resamples the 17 kinds, and the seeds the first row wins) and the sweeps; and
+# EPISODES/seed<s>/<row>.<mode>.jsonl (benchmarks/results/agent_tasks_episodes; SMOKE: WORK_DIR/episodes):
+# every closed-loop episode's commands, stop and test verdict (evals/agent_episodes.py), to read what
+# each agent did.
 # Knobs: SEEDS (0), MAX_STEPS (1000), NUM_TRAJ (300), NUM_EXTRA (600), CORPUS_SEED, RUN_CONFIG, DATA
 # (reuse a manifest), OUT, OUT_TASKS, MASTER_PORT (29500; another one lets it train beside another job), DYN_LRS ("0.03 0.1 0.3 1.0"), DYN_NORMS ("1 5"), DEV_PER_KIND (4).
 # After `bash launch/main.sh` the main job's model IS the ttt_current row of its training seed (same data,
@@ -71,6 +74,7 @@ SMOKE="${SMOKE:-0}"
 if [ "$SMOKE" = 1 ]; then
   MAX_STEPS="${MAX_STEPS:-4}" NUM_TRAJ="${NUM_TRAJ:-40}" NUM_EXTRA="${NUM_EXTRA:-20}"
   WORLDS=4 MEMORY=3 RECOVERY=3 OUT="${OUT:-$WORK/report}" OUT_TASKS="${OUT_TASKS:-$WORK/agent_tasks}"
+  EPISODES="${EPISODES:-$WORK/episodes}"
   TASKS_PER_KIND=1 TASK_ARGS=(--max-rounds 2 --max-new-tokens 24)
   DYN_LRS="${DYN_LRS:-0.1 1.0}" DYN_NORMS="${DYN_NORMS:-5}" DEV_PER_KIND="${DEV_PER_KIND:-1}"
   DEV_KINDS=(--kinds memory_config explore_count)
@@ -78,6 +82,7 @@ else
   MAX_STEPS="${MAX_STEPS:-1000}" NUM_TRAJ="${NUM_TRAJ:-300}" NUM_EXTRA="${NUM_EXTRA:-600}"
   WORLDS=128 MEMORY=100 RECOVERY=200 OUT="${OUT:-benchmarks/results/adaptation_baselines}"
   OUT_TASKS="${OUT_TASKS:-benchmarks/results/agent_tasks}" TASKS_PER_KIND=12 TASK_ARGS=()
+  EPISODES="${EPISODES:-benchmarks/results/agent_tasks_episodes}"
   DYN_LRS="${DYN_LRS:-0.03 0.1 0.3 1.0}" DYN_NORMS="${DYN_NORMS:-1 5}" DEV_PER_KIND="${DEV_PER_KIND:-4}"
   DEV_KINDS=()
 fi
@@ -310,4 +315,6 @@ $PY evals/agent_tasks_report.py --scored "${SCORED[@]}" --sweeps "${SWEEPS[@]}" 
   --command "$COMMAND" \
   --seeds "{\"train\": [${SEEDS}], \"main_corpus\": $CORPUS_SEED, \"task_seed_base\": $(json_field "$WORK/tasks/suite.json" seed_base), \"dev_task_seed_base\": $(json_field "$WORK/tasks_dev/suite.json" seed_base), \"max_steps\": $MAX_STEPS}" \
   --load-start "$load_start" --load-end "$load_end" --extra "{\"seconds\": $elapsed, \"run_config\": \"$RUN_CONFIG\"}" > /dev/null
+step "what every model ran, episode by episode -> $EPISODES/seed<s>/<row>.<mode>.jsonl"
+$PY evals/agent_episodes.py --scored "${SCORED[@]}" --out "$EPISODES" | tail -n 1
 step "done in $(( $(date +%s) - t0 )) s"

@@ -317,3 +317,23 @@ def write_report(report: dict, out_prefix) -> dict[str, str]:
     pathlib.Path(paths["md"]).write_text(markdown(report))
     write_plot(report, paths["png"])
     return paths
+
+
+EPISODE_LOG_FIELDS = ("task", "kind", "attempt", "success", "stop", "rounds", "updates", "actions", "test_log")
+
+
+def episode_log(scored: dict) -> dict[str, list[dict]]:
+    """What one scored model did, per mode: one record per episode with the commands it ran (`actions`, the
+    tool calls in order), how it stopped and what its task's test said, sorted by task and attempt; the
+    lines evals/agent_episodes.py commits beside the report so anyone can read the agent's work."""
+    if scored.get("format") != SCORED_FORMAT:
+        raise ValueError(f"{scored.get('label')}: format {scored.get('format')!r}, expected {SCORED_FORMAT!r}")
+    out = {}
+    for mode, res in scored["modes"].items():
+        missing = sorted({f for e in res["episodes"] for f in EPISODE_LOG_FIELDS if f not in e})
+        if missing:
+            raise ValueError(f"{scored['label']}/{mode}: episodes without {missing} (scored by an older "
+                             "evals/agent_tasks.py: score it again)")
+        out[mode] = sorted(({f: e[f] for f in EPISODE_LOG_FIELDS} for e in res["episodes"]),
+                           key=lambda e: (e["task"], e["attempt"]))
+    return out

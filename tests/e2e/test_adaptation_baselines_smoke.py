@@ -91,6 +91,12 @@ def test_baselines_smoke_writes_every_row_with_intervals(tmp_path):
         assert {k: inner[k] for k in sweep["chosen"]} == sweep["chosen"] == {
             k: test_run["provenance"]["dynamic_eval_overrides"][k] for k in sweep["chosen"]}
     assert "Pooled over training seeds 0" in (tmp_path / "agent_tasks.md").read_text()
+    # what every model ran, episode by episode: one JSONL per closed-loop row, its commands in each line
+    logs = sorted(p.name for p in (work / "episodes" / "seed0").iterdir())
+    assert logs == sorted(f"{r['model']}.{r['mode']}.jsonl" for r in tasks["rows"])
+    lines = [json.loads(x) for x in (work / "episodes" / "seed0" / "ttt_current.ttt.jsonl").read_text().splitlines()]
+    assert len(lines) == tasks["suite"]["num_tasks"] and [e["task"] for e in lines] == sorted(e["task"] for e in lines)
+    assert all(isinstance(e["actions"], list) for e in lines) and any(e["actions"] for e in lines)
 
     # the same command again, as after the main job (MAIN: its data, sets, suite and model, the seed read from
     # its run config): everything is there, so every step is skipped and only the reports are rebuilt

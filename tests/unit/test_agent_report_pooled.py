@@ -242,3 +242,32 @@ def test_each_row_splits_success_into_kinds_that_need_the_observation_and_fixed_
     md = markdown(report)
     assert "| needs observation | fixed script |" in md
     assert f"| 12/180 = {100 * 12 / 180:.1f}% [" in md and "| 24/24 = 100.0% [" in md
+
+
+def test_the_episodes_cli_commits_what_the_agent_ran_per_seed_and_mode(tmp_path):
+    import dataclasses
+
+    episodes = [EpisodeResult(task=t, kind=KINDS[t], family="f", seen=True, attempt=0, success=t.endswith("-0"),
+                              stop="answer", rounds=2, updates=1, tokens=9, seconds=0.1, test_log=f"log {t}",
+                              actions=['{"command": "ls"}', f'{{"command": "cat {t}"}}'])
+                for t in sorted(KINDS, reverse=True)]
+    row = summarize(episodes, model="ttt_current", mode="ttt", attempts=1, seconds=1.0)
+    s = {"format": SCORED_FORMAT, "label": "ttt_current", "suite": SUITE, "train_seed": 2,
+         "modes": {"ttt": {"row": row, "outcomes": task_outcomes(episodes),
+                           "episodes": [dataclasses.asdict(e) for e in episodes]}}}
+    (tmp_path / "scored.json").write_text(json.dumps(s))
+    proc = subprocess.run([sys.executable, "evals/agent_episodes.py", "--scored", str(tmp_path / "scored.json"),
+                           "--out", str(tmp_path / "episodes")], cwd=ROOT, capture_output=True, text=True, check=True)
+    dest = tmp_path / "episodes" / "seed2" / "ttt_current.ttt.jsonl"
+    assert f"{dest}: {len(KINDS)} episodes, {NUM_KINDS} solved" in proc.stdout
+    lines = [json.loads(line) for line in dest.read_text().splitlines()]
+    assert [e["task"] for e in lines] == sorted(KINDS)  # sorted by task, whatever the scoring order
+    assert lines[0] == {"task": "k00-0", "kind": "k00", "attempt": 0, "success": True, "stop": "answer", "rounds": 2,
+                        "updates": 1, "actions": ['{"command": "ls"}', '{"command": "cat k00-0"}'],
+                        "test_log": "log k00-0"}
+    # a file scored without the commands is refused, naming it, and nothing is written for it
+    (tmp_path / "old.json").write_text(json.dumps(scored("sft_full", by_kind(set()), seed=2)))
+    bad = subprocess.run([sys.executable, "evals/agent_episodes.py", "--scored", str(tmp_path / "old.json"),
+                          "--out", str(tmp_path / "episodes")], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "old.json: sft_full/sft: episodes without" in bad.stderr
+    assert not (tmp_path / "episodes" / "seed2" / "sft_full.sft.jsonl").exists()

@@ -42,7 +42,8 @@ and this tree's decode rate over REV's, each the median with a bootstrap 95% int
 --shape: the backbone (tiny_qwen3_config arguments; the TTT settings stay the main job's): tiny-mem (the
 default), wide (--wide: hidden 512, 8 layers) or qwen3-0.6b (Qwen3-0.6B's: hidden 1024, 28 layers, 16 / 8
 heads of 128, intermediate 3072; untied head, compact vocabulary, random weights). --device cuda serves
-on the GPU.
+on the GPU; gpu_check/bench_serve_concurrency.py runs it so, with --budget-s (fewer paired rounds when
+time is short) and, on a machine without bubblewrap, --no-isolation.
 What it ran on is recorded with the results: the CPU model (/proc/cpuinfo), the GPU's name with --device
 cuda, the batched server's one-session decode rate (tokens/s), and the load average of all three windows
 (1, 5, 15 min) at the start and the end.
@@ -51,7 +52,8 @@ this tree's servers take the system block from their prompt cache (ds_ttt/serve/
 fleet's sessions do; today's server prefills it every time.
 The run starts only when the 1-minute load is below --max-load and no other measurement holds
 /tmp/ds_ttt_measuring, which this run holds while it measures.
-Results: benchmarks/results/serve_concurrency.{json,md} (--shape S: serve_concurrency_S.{json,md}).
+Results: benchmarks/results/serve_concurrency.{json,md} (--shape S: serve_concurrency_S.{json,md}); the
+markdown is written by serve_concurrency_report.py beside this script.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ import tempfile
 import time
 
 import httpx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # its report module, beside it in benchmarks/
+from serve_concurrency_report import markdown  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results"
@@ -173,11 +178,11 @@ def level(url: str, model: str, n: int, max_tokens: int, tools: list, system: st
             "replies": [g["text"] for g in got]}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levels", default="1,4,8,16")
     p.add_argument("--max-tokens", type=int, default=256, help="reply length (long enough that one session's level lasts ~1 s)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="0: the table from the paired rounds alone")
     p.add_argument("--pairs", type=int, default=12, help="rounds of the batched server's levels back to back "
                    "(the paired scaling ratio)")
     p.add_argument("--base", default=DEFAULT_BASE, help="commit of today's (unbatched) server")
@@ -193,14 +198,24 @@ def main(argv=None) -> int:
                    help="leave out today's server (--base): it cannot load an export whose model has a feature it "
                         "predates (the main job's round address), and fails at start with an unknown config key")
     p.add_argument("--only-batched", action="store_true", help="leave out today's server and the unbatched one")
+    p.add_argument("--no-isolation", action="store_true", help="build the export's vocabulary from worlds run "
+                   "without the sandbox (a machine without bubblewrap, e.g. the GPU check's)")
+    p.add_argument("--budget-s", type=float, default=None, help="stop the paired rounds (after the first) when the "
+                   "next would end past this many seconds from the start")
     p.add_argument("--against", metavar="REV", default=None,
                    help="also REV's batched server (a git revision, e.g. main or HEAD~1): the scaling ratio and the "
                         "decode rate of this tree over REV's, paired by round")
     args = p.parse_args(argv)
     args.shape = "wide" if args.wide else args.shape
-    if args.repeats < 1 or args.pairs < 1:
-        p.error("--repeats and --pairs must be >= 1")
-    levels = [int(x) for x in args.levels.split(",")]
+    if args.repeats < 0 or args.pairs < 1:
+        p.error("--repeats must be >= 0 and --pairs >= 1")
+    args.level_list = [int(x) for x in args.levels.split(",")]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    levels = args.level_list
     waited = 0
     while os.getloadavg()[0] >= args.max_load or pathlib.Path("/tmp/ds_ttt_measuring").exists():
         if waited == 0:
@@ -219,14 +234,17 @@ def main(argv=None) -> int:
 def measure(args, levels: list[int], load_start: tuple) -> int:
     from ds_ttt.data.generator import BASH_TOOL, SYSTEM_PROMPT
 
+    t0 = time.monotonic()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="serve_concurrency_"))
-    export, model_info = load_serve_decode().build_export(tmp / "export", SHAPES[args.shape])
-    base_sha = unpack(args.base, tmp / "today")
+    export, model_info = load_serve_decode().build_export(tmp / "export", SHAPES[args.shape],
+                                                          isolation="none" if args.no_isolation else "required")
+    with_today = not (args.without_today or args.only_batched)
+    base_sha = unpack(args.base, tmp / "today") if with_today else None  # (a copy of the tree may have no .git)
     against_sha = unpack(args.against, tmp / "against") if args.against else None
     device = ["--device", args.device] if args.device != "cpu" else []
     servers = {}
     try:
-        if not (args.without_today or args.only_batched):
+        if with_today:
             servers["today"] = start_server("today", tmp / "today", export, device, tmp)
         if not args.only_batched:
             servers["unbatched"] = start_server("unbatched", REPO, export, ["--no-batching", "--max-active", "32", *device],
@@ -250,7 +268,13 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
         # the batched server(s) alone, levels back to back in rounds: the scaling ratio measured side by side;
         # with --against both trees' servers in each round, the one going first alternating by round
         paired: dict = {name: {n: [] for n in levels} for name in ("batched", "against") if name in servers}
+        rounds_start = time.monotonic()
         for rnd in range(args.pairs):
+            per_round = (time.monotonic() - rounds_start) / max(rnd, 1)
+            if rnd and args.budget_s is not None and time.monotonic() - t0 + 1.2 * per_round > args.budget_s:
+                print(f"stopping after {rnd} paired rounds: the next would pass --budget-s {args.budget_s:.0f}",
+                      file=sys.stderr, flush=True)
+                break
             for name in (list(paired) if rnd % 2 == 0 else list(paired)[::-1]):
                 for n in levels:
                     paired[name][n].append(level(servers[name][1], model, n, args.max_tokens, [BASH_TOOL],
@@ -263,6 +287,8 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
         for proc, _ in servers.values():
             proc.wait(timeout=60)
     load_end = os.getloadavg()
+    if args.repeats == 0:  # the table and its ratios from the paired rounds (levels back to back there too)
+        runs = paired
     table = {}
     for name in runs:
         table[name] = {}
@@ -276,7 +302,9 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
     # the same greedy replies from every server (a check that they did the same work)
     first = next(iter(runs))
     same = all(runs[a][n][0]["replies"] == runs[first][n][0]["replies"] for a in runs for n in levels)
-    one = [r["decode_tokens_per_s"] for r in runs["batched"][1] + paired["batched"][1]] if 1 in levels else []
+    ones = (runs["batched"][1] + ([] if runs is paired else paired["batched"][1])) if 1 in levels else []
+    one = [r["decode_tokens_per_s"] for r in ones]
+    pairs = len(paired["batched"][levels[0]])
     res = {"base_commit": base_sha, "model": model_info, "shape": args.shape, "levels": levels,
            "max_tokens": args.max_tokens, "repeats": args.repeats, "table": table, "same_replies": same,
            "machine": machine(args.device),
@@ -288,7 +316,7 @@ def measure(args, levels: list[int], load_start: tuple) -> int:
            "speedup_vs_best_one": ratios(runs["batched"], best_single(runs, levels[0]), levels, "tokens_per_s",
                                          base=levels[0]),
            "speedup_vs_today": ratios(runs["batched"], runs["today"], levels, "tokens_per_s") if "today" in runs else {},
-           "pairs": args.pairs,
+           "pairs": pairs, "pairs_planned": args.pairs, "isolation": "none" if args.no_isolation else "required",
            "paired_decode_speedup": paired_ratios(paired["batched"], levels, "decode_tokens_per_s"),
            "paired_speedup": paired_ratios(paired["batched"], levels, "tokens_per_s"),
            "against": against(paired, levels, args.against, against_sha) if args.against else None,
@@ -344,75 +372,6 @@ def best_single(runs: dict, one: int) -> dict:
     """Per repeat, the fastest server at one session (the strongest single-session baseline)."""
     reps = len(runs["batched"][one])
     return {one: [max((runs[name][one][r] for name in runs), key=lambda x: x["tokens_per_s"]) for r in range(reps)]}
-
-
-def ran_on(res: dict) -> str:
-    """The markdown line saying what the run ran on (a result without the record says so)."""
-    m = res.get("machine")
-    if m is None:
-        return "What it ran on was not recorded (a run before the benchmark recorded it)."
-    one = res.get("one_session_decode_tokens_per_s")
-    load = ", ".join(f"{x:.2f}" for x in res["load_start"]) + " at the start, " + \
-        ", ".join(f"{x:.2f}" for x in res["load_end"]) + " at the end"
-    return (f"Ran on: {m['cpu_model']} ({m['cpu_count']} CPUs)" + (f", GPU {m['gpu']}" if m.get("gpu") else "")
-            + f", device {m['device']}; one-session decode rate (batched server) "
-            + (f"{one:.1f} tokens/s" if one else "not measured (no level of 1 session)")
-            + f"; load average (1, 5, 15 min) {load}.")
-
-
-def markdown(res: dict) -> str:
-    shape = res.get("shape") or ("wide" if res.get("wide") else "tiny-mem")
-    lines = [f"# Serving concurrency (benchmarks/serve_concurrency.py)", "",
-             f"Model: {res['model']['preset']}{'' if shape == 'tiny-mem' else f' with the {shape} backbone'} "
-             f"({res['model']['num_layers']} layers, hidden {res['model']['hidden']}), "
-             f"vocab {res['model']['vocab_size']}; greedy, {res['max_tokens']} new tokens per request, "
-             f"{res['repeats']} repeats (medians); one thread per server process; "
-             + (f"today = {res['base_commit'][:7]}. " if "today" in res["table"] else
-                "today's server not run. ")
-             + (f"against = {res['against']['rev']} ({res['against']['commit'][:7]}). " if res.get("against") else "")
-             + f"Same replies on every server: {res['same_replies']}.", "",
-             ran_on(res), "",
-             "Aggregate tokens/s: every completion token over the wall time of the level (prefill, HTTP and all). "
-             "Decode tokens/s (batched servers only): tokens fed through batched forwards over the scheduler's time "
-             "in them (its /health counters), i.e. the batch's decode rate without the prefill and turn-end "
-             "chunks interleaved with it.", "",
-             "| sessions | server | aggregate tokens/s | decode tokens/s | p50 ms/token | p95 ms/token |",
-             "|---|---|---|---|---|---|"]
-    for n in res["levels"]:
-        for name, rows in res["table"].items():
-            r = rows[n] if n in rows else rows[str(n)]
-            dec = f"{r['decode_tokens_per_s']:.1f}" if r.get("decode_tokens_per_s") else "-"
-            lines.append(f"| {n} | {name} | {r['tokens_per_s']:.1f} | {dec} | {r['p50_ms']:.1f} | {r['p95_ms']:.1f} |")
-    def row(label: str, key: str) -> str:
-        return f"| {label} | " + " | ".join(f"x{v['median']:.2f} [{v['min']:.2f}, {v['max']:.2f}]"
-                                            for v in res[key].values()) + " |"
-    lines += ["", f"Ratios per repeat (the levels of one repeat run back to back), median [min, max] over "
-              f"{res['repeats']} repeats:", "",
-              "| ratio | " + " | ".join(f"{n} sessions" for n in res["levels"]) + " |",
-              "|---|" + "---|" * len(res["levels"]),
-              row("batched decode tokens/s vs batched at one session", "decode_speedup_vs_one"),
-              row("batched aggregate vs batched at one session", "speedup_vs_one"),
-              row("batched aggregate vs the fastest server at one session", "speedup_vs_best_one"),
-              *([row("batched aggregate vs today's server at the same concurrency", "speedup_vs_today")]
-                if res["speedup_vs_today"] else []), ""]
-
-    def paired_row(label: str, values: dict) -> str:
-        return f"| {label} | " + " | ".join(f"x{v['median']:.2f} [{v['lo']:.2f}, {v['hi']:.2f}]"
-                                            for v in values.values()) + " |"
-    ag = res.get("against")
-    lines += [f"Paired: the batched server alone, its levels back to back in each of {res['pairs']} rounds (the "
-              "ratio to one session within a round); median with a bootstrap 95% interval over rounds"
-              + (f"; with --against, {ag['rev']}'s batched server in the same rounds, the order alternating" if ag
-                 else "") + ":", "",
-              "| ratio | " + " | ".join(f"{n} sessions" for n in res["levels"]) + " |",
-              "|---|" + "---|" * len(res["levels"]),
-              paired_row("batched decode tokens/s vs one session", res["paired_decode_speedup"]),
-              paired_row("batched aggregate tokens/s vs one session", res["paired_speedup"]),
-              *([paired_row(f"{ag['rev']}: batched decode tokens/s vs one session", ag["paired_decode_speedup"]),
-                 paired_row(f"scaling ratio, this tree over {ag['rev']}", ag["scaling_ratio_over_against"]),
-                 paired_row(f"decode tokens/s, this tree over {ag['rev']}", ag["decode_over_against"])] if ag else []),
-              ""]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -46,9 +46,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "results"
 
 
-def build_export(out_dir: pathlib.Path, backbone: dict | None = None) -> tuple[pathlib.Path, dict]:
+def build_export(out_dir: pathlib.Path, backbone: dict | None = None, *, isolation: str = "required"
+                 ) -> tuple[pathlib.Path, dict]:
     """The export described in the module docstring; `backbone`: tiny_qwen3_config arguments instead of
-    the preset's (serve_concurrency.py --wide: a model whose weights, not its per-session caches, dominate)."""
+    the preset's (serve_concurrency.py --shape: a model whose weights, not its per-session caches, dominate);
+    isolation "none": the worlds that trim the vocabulary run unsandboxed, without a cgroup (a GPU machine
+    without bubblewrap: serve_concurrency.py --no-isolation)."""
     from ds_ttt.config import TTTConfig
     from ds_ttt.data.generator import generate_memory_world
     from ds_ttt.data.render import render_trajectory
@@ -59,7 +62,8 @@ def build_export(out_dir: pathlib.Path, backbone: dict | None = None) -> tuple[p
     from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 
     full = load_tokenizer()
-    corpus = [render_trajectory(generate_memory_world(7 + i, num_distractors=1), full).input_ids for i in range(4)]
+    corpus = [render_trajectory(generate_memory_world(7 + i, num_distractors=1, isolation=isolation,
+                                                      cgroup_caps=isolation), full).input_ids for i in range(4)]
     tok, _ = trim_tokenizer(full, corpus)
     run = json.loads((REPO / "ds_configs" / "run_cpu_tiny.json").read_text())
     cfg = backbone_config(run["preset"])

@@ -74,7 +74,7 @@ def run(*, out: str, budget_s: float, python: str = sys.executable, runner=run_c
     rec.set(schedule={k: sched.get(k) for k in ("step_s", "bubble", "uniform_bubble", "num_micro",
                                                 "tokens_per_s_dedicated", "utilisation")},
             pipeline_balance=res)
-    rec.finish("failed" if any(not c["ok"] for c in rec.data["checks"]) else "ok", time.monotonic() - t0)
+    rec.finish_by_checks(time.monotonic() - t0)
     return rec
 
 

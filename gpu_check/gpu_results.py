@@ -17,6 +17,9 @@ Every phase of `gpu_check/run.sh` leaves one JSON file in the results folder
     trainer.json         deepspeed launch/train.py on the GPU (one stage, the shipped configs): steps done
                          of planned, tokens/s, step time, peak per rank and its split, loss, save +
                          --resume equality, the layer count that fitted, the DeepSpeed config used
+    serve_concurrency_gpu.json  the batched server's decode tokens/s at 1, 8 and 32 sessions on a
+                         Qwen3-0.6B-shaped model (benchmarks/serve_concurrency.py), the ratios 8 vs 1 and
+                         32 vs 1 against their targets, what it ran on
     pipeline_balance_gpu.json  each PP4 stage of Qwen3-8B timed alone on the GPU (benchmarks/pipeline_balance;
                          optional phase)
     summary.md           the tables below, rendered from those files
@@ -42,8 +45,9 @@ import tempfile
 from pathlib import Path
 
 RESULT_FILES = ("environment.json", "setup.json", "flashbob_cuda.json", "last_stage.json", "trainer.json",
-                "pipeline_balance_gpu.json", "summary.md", "gpu_check.log")
-PHASE_FILES = ("setup.json", "flashbob_cuda.json", "last_stage.json", "trainer.json", "pipeline_balance_gpu.json")
+                "serve_concurrency_gpu.json", "pipeline_balance_gpu.json", "summary.md", "gpu_check.log")
+PHASE_FILES = ("setup.json", "flashbob_cuda.json", "last_stage.json", "trainer.json", "serve_concurrency_gpu.json",
+               "pipeline_balance_gpu.json")
 STATUSES = ("running", "ok", "failed", "timeout", "skipped")
 
 
@@ -112,6 +116,10 @@ class PhaseRecord:
         self.data.update(status=status, elapsed_s=round(elapsed_s, 2))
         self.save()
 
+    def finish_by_checks(self, elapsed_s: float) -> None:
+        """Finish as "failed" when a check failed, else "ok"."""
+        self.finish("failed" if any(not c["ok"] for c in self.data["checks"]) else "ok", elapsed_s)
+
     def save(self) -> None:
         write_json_atomic(self.path, self.data)
 
@@ -179,6 +187,7 @@ def render_summary(results_dir: str | os.PathLike) -> str:
     ls = read_json(d / "last_stage.json")
     tr = read_json(d / "trainer.json")
     pb = read_json(d / "pipeline_balance_gpu.json")
+    sc = read_json(d / "serve_concurrency_gpu.json")
     fails = failed_checks(d)
     lines = ["# GPU check results", ""]
     lines.append(f"Written by `bash gpu_check/run.sh` (gpu_check/). Started {env.get('started', '?')}; "
@@ -205,13 +214,14 @@ def render_summary(results_dir: str | os.PathLike) -> str:
     phase_rows = []
     for label, data in (("setup (install, build, probe, kernels, sanitizer, tests/ops)", setup), ("FlashBoB CUDA benchmark", fb),
                         ("last-stage meta-training step", ls), ("trainer (deepspeed launch/train.py)", tr),
-                        ("PP4 stage balance", pb)):
+                        ("serving concurrency (batched decode)", sc), ("PP4 stage balance", pb)):
         phase_rows.append([label, _status_of(label, data), _fmt((data or {}).get("elapsed_s"))])
     lines += _table(["phase", "status", "seconds"], phase_rows)
 
     lines += ["", "## Correctness checks", ""]
     checks = []
-    for name, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls), ("trainer", tr), ("balance", pb)):
+    for name, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls), ("trainer", tr),
+                       ("serve_concurrency", sc), ("balance", pb)):
         for c in (data or {}).get("checks", []):
             checks.append([name, c.get("name", "?"), "PASS" if c.get("ok") else "**FAIL**", c.get("detail", "")])
     lines += _table(["phase", "check", "result", "detail"], checks) if checks else ["(none ran)"]
@@ -280,8 +290,9 @@ def render_summary(results_dir: str | os.PathLike) -> str:
                          _gib(r.get("reserved_peak_bytes")), _fmt(r.get("fits_80gb")), _fmt(r.get("loss"))])
         lines += _table(["T", "attention", "status", "events", "step s", "repeats", "tokens/s", "peak GiB",
                          "reserved GiB", "fits 80 GB", "loss"], rows)
-    lines += _trainer_section(tr) + _balance_section(pb)
-    for label, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls), ("trainer", tr), ("balance", pb)):
+    lines += _trainer_section(tr) + _serve_section(sc) + _balance_section(pb)
+    for label, data in (("setup", setup), ("flashbob", fb), ("last_stage", ls), ("trainer", tr),
+                        ("serve_concurrency", sc), ("balance", pb)):
         notes = (data or {}).get("notes", [])
         if notes:
             lines += ["", f"Notes ({label}):", ""] + [f"- {n}" for n in notes]
@@ -349,6 +360,26 @@ def _trainer_section(tr) -> list[str]:
     lines += _table(["capacity", "status", "layers", "steps done", "tokens/step", "step s", "tokens/s",
                      "peak GiB per rank (measured)", "fits 80 GB", "weights (computed)", "optimizer (computed)",
                      "grads (computed)", "activations (peak - computed)", "loss", "resume"], rows)
+    return lines
+
+
+def _serve_section(sc) -> list[str]:
+    if not sc or not sc.get("rows"):
+        return []
+    cfg, m = sc.get("config") or {}, sc.get("machine") or {}
+    lines = ["", "## Serving concurrency on the GPU: batched decode (benchmarks/serve_concurrency.py)", "",
+             f"`{cfg.get('command', '')}`", "",
+             f"Ran on {m.get('gpu') or m.get('device', '?')} (CPU {m.get('cpu_model', '?')}); model shape "
+             f"{cfg.get('shape', '?')}, random weights; {sc.get('pairs', '?')} paired rounds; one session decodes "
+             f"{_fmt(sc.get('one_session_decode_tokens_per_s'))} tokens/s.", ""]
+    lines += _table(["sessions", "decode tokens/s", "vs one (paired median [95% interval])", "target",
+                     "aggregate tokens/s", "mean batch", "p50 ms/token"],
+                    [[str(r.get("sessions")), _fmt(r.get("decode_tokens_per_s")),
+                      f"x{_fmt(r.get('decode_vs_one'))} [{', '.join(_fmt(x) for x in r.get('decode_vs_one_interval', []))}]",
+                      f">= x{_fmt(r['target_vs_one'])}" if r.get("target_vs_one") else "–",
+                      _fmt(r.get("aggregate_tokens_per_s")), _fmt(r.get("mean_batch")), _fmt(r.get("p50_ms_per_token"))]
+                     for r in sc["rows"]])
+    lines += [""] + [f"- {t['line']}" for t in sc.get("targets", [])]
     return lines
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check: validate and measure ds_ttt's CUDA path in one unattended run (< 9 minutes wall).
+# GPU check: validate and measure ds_ttt's CUDA path in one unattended run (< 10 minutes wall).
 #
 #   bash gpu_check/run.sh                # results in benchmarks/results/gpu/
 #   bash gpu_check/run.sh --out "$OUT"   # e.g. on the lent device machine (docs/gpu.md)
@@ -18,9 +18,11 @@
 # meta-training step of Qwen3-8B's last pipeline stage with the TTT settings of
 # ds_configs/run_qwen3_8b.json at T = 2K / 8K / 16K / 32K (an out-of-memory is a recorded row); the
 # real `deepspeed launch/train.py` on the GPU (the shipped configs, one stage, 3 steps at 8K; save +
-# --resume when the time holds it); optionally (--phases ...,balance) each PP4 stage timed alone.
+# --resume when the time holds it); this tree's batched server on a Qwen3-0.6B-shaped model at 1, 8
+# and 32 sessions (decode tokens/s, 8 vs 1 and 32 vs 1 against >= 6x and >= 16x); optionally
+# (--phases ...,balance) each PP4 stage timed alone.
 # Writes environment.json, setup.json, flashbob_cuda.json, last_stage.json, trainer.json,
-# [pipeline_balance_gpu.json,] summary.md, gpu_check.log (at most 8 files).
+# serve_concurrency_gpu.json, [pipeline_balance_gpu.json,] summary.md, gpu_check.log (8 files by default).
 # Exit 0: every correctness check passed; 1: a check failed; 2: refused (no CUDA GPU visible —
 # nothing is written) or bad arguments. Python: $PYTHON (default python3), >= 3.10.
 # The work is done by gpu_check/gpu_check.py; see docs/gpu.md.

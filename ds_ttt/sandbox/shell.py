@@ -228,6 +228,11 @@ class Shell:
         return None if self.commands.process is None else self.commands.process.pid
 
     @property
+    def cgroup(self) -> EpisodeCgroup | None:
+        """The episode's cgroup (caps.py), None without one (cgroup_caps="none") and after close."""
+        return self._cgroup
+
+    @property
     def num_restarts(self) -> int:
         """How many times a new shell was started (the supervisor's, or a whole new sandbox)."""
         return self.commands.num_restarts

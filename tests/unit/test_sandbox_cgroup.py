@@ -61,7 +61,7 @@ def test_caps_are_set_and_every_process_is_inside_before_the_first_command(isola
         pytest.skip("bubblewrap unavailable here")
     with Sandbox(parent="/tmp", isolation=isolation, max_episode_memory_bytes=2 << 30, max_episode_processes=64,
                  max_episode_cpus=0.25) as sb:
-        group = sb._cgroup
+        group = sb.cgroup
         assert sb.cgroup_caps == group.backend in ("cgroup-v1", "cgroup-v2", "systemd")
         res = sb.run("cat /proc/self/cgroup; echo $$")
         tree = {pid for pid, _start in process_tree(sb.pid)} | {sb.pid}
@@ -136,7 +136,7 @@ def test_a_background_job_killed_at_the_cap_is_noted_in_the_next_result():
     with Sandbox(parent="/tmp", timeout=20, **SMALL) as sb:
         assert sb.run(f"({HOG}) & echo started").output == "started\n"
         deadline = time.monotonic() + 15
-        while sb._cgroup.oom_kills() == 0 and time.monotonic() < deadline:
+        while sb.cgroup.oom_kills() == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         res = sb.run("echo next")
         assert res.memory_limit_earlier and not res.memory_limit_hit, res
@@ -156,8 +156,8 @@ def test_the_cgroup_is_removed_after_kills_and_takes_escaped_processes_with_it()
     assert res.timed_out
     escaped = int(res.output.split()[0])
     try:
-        assert escaped not in {pid for pid, _ in process_tree(sb.pid)} and escaped in members(sb._cgroup)
-        dirs = sb._cgroup._dirs()
+        assert escaped not in {pid for pid, _ in process_tree(sb.pid)} and escaped in members(sb.cgroup)
+        dirs = sb.cgroup._dirs()
     finally:
         sb.close()
     assert [d for d in dirs if d.exists()] == []

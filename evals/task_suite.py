@@ -11,8 +11,8 @@ reference solution must pass and doing nothing must fail (a task that fails eith
 with its test log).
 Layout and seeds: ds_ttt/tasks/suite.py; kinds: ds_ttt/tasks/kinds.py; docs/evaluation.md,
 "Closed-loop tasks". Run it with Harbor:
-    .venv-harbor/bin/harbor run -p TASKS --agent ds_ttt.serve.harbor_agent:TTTAgent \
-        --env ds_ttt.serve.harbor_env:SandboxEnvironment --ak server_url=http://127.0.0.1:8000/v1
+    .venv-harbor/bin/harbor run -p TASKS --agent ds_ttt.serve.frontends.harbor_agent:TTTAgent \
+        --env ds_ttt.serve.frontends.harbor_env:SandboxEnvironment --ak server_url=http://127.0.0.1:8000/v1
 """
 
 from __future__ import annotations

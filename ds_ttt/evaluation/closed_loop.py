@@ -4,7 +4,8 @@
     episodes = run_episodes(agent, tasks, mode="ttt", attempts=1, temperature=0.0)   # evals/agent_tasks.py
     row = summarize(episodes, model="ttt_current", mode="ttt")
 
-One episode (the training loop's shape, as `ds_ttt.serve.runner` and the Harbor agent run it):
+One episode (the training loop's shape; the one episode loop, ds_ttt/serve/episode.py, which the task
+CLI and the Harbor agent run too):
   1. a fresh bubblewrap sandbox (ds_ttt/sandbox/) holding the task's environment/ files in /app;
   2. an AgentSession reset with the generator's system prompt, its `bash` tool and the instruction;
   3. until a reply makes no tool call, or `max_rounds` replies: the model generates its action, every
@@ -32,11 +33,12 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from ds_ttt.data.render import final_answer, reply_is_unfinished
 from ds_ttt.evaluation.intervals import wilson_interval
 from ds_ttt.evaluation.verifier import run_verifier
 from ds_ttt.sandbox import Sandbox
-from ds_ttt.serve.runner import BashToolRunner
+from ds_ttt.serve.episode import SessionAgent
+from ds_ttt.serve.episode import run_episode as run_episode_loop
+from ds_ttt.serve.tools import BashToolRunner
 from ds_ttt.tasks.suite import Task
 
 MODES = ("ttt", "frozen", "sft")
@@ -86,6 +88,8 @@ def verify_task(task: Task) -> dict:
 def run_episode(agent, engine, task: Task, *, mode: str, attempt: int = 0, temperature: float = 0.0,
                 max_rounds: int = 12, max_new_tokens: int = 256, command_timeout: float = 10.0,
                 max_output_chars: int = 2000, seed: int = 0) -> EpisodeResult:
+    """One task, one attempt: the episode loop (ds_ttt/serve/episode.py) on a fresh session and sandbox,
+    then the verifier on what the episode left."""
     from ds_ttt.serve.session import AgentSession, ContextFullError
 
     t0 = time.perf_counter()
@@ -97,25 +101,15 @@ def run_episode(agent, engine, task: Task, *, mode: str, attempt: int = 0, tempe
                         dirs=AGENT_DIRS) as tools:
         try:
             engine.run(lambda: session.reset(task.instruction))
-            for _ in range(max_rounds):
-                decode = session.begin_decode()
-                engine.generate([decode])
-                message = session.end_decode(decode)
-                res.rounds += 1
-                res.tokens += len(decode.action)
-                calls = message.get("tool_calls") or []
-                invalid = message.get("invalid_tool_calls") or []
-                if not calls and not invalid:
-                    content, truncated = message.get("content") or "", bool(message.get("truncated"))
-                    answer = final_answer(content, truncated=truncated)
-                    res.stop = "truncated" if reply_is_unfinished(content, truncated=truncated) else "answer"
-                    break
-                res.actions += [c.get("function", c).get("arguments") for c in calls]
-                outputs = [tools.execute(c) for c in calls] + [f"[error: invalid tool call: {b['error']}]" for b in invalid]
-                engine.run(lambda: session.observe(outputs))
-                res.updates = session.num_updates
-        except ContextFullError:  # the episode ends here; what it did so far is scored
+        except ContextFullError:  # the task alone fills the context: nothing to score but the untouched files
             res.stop = "context_full"
+        else:
+            ttt_agent = SessionAgent(session, engine)
+            episode = run_episode_loop(ttt_agent, tools, max_rounds=max_rounds)
+            answer, res.stop, res.rounds = episode.answer, episode.stop, len(episode.rounds)
+            res.tokens, res.updates = ttt_agent.num_generated, session.num_updates
+            res.actions = [c.get("function", c).get("arguments") for r in episode.rounds
+                           for c in r.message.get("tool_calls") or []]
         res.success, res.test_log = score_outcome(tools.sandbox, task, answer)
     res.seconds = time.perf_counter() - t0
     return res

@@ -8,8 +8,8 @@
         result = sb.run("wc -l notes.txt; echo $N")    # CommandResult(output, exit_code, timed_out, ...)
     Sandbox(isolation="none")                          # an explicit choice to run without it (--no-isolation)
 
-Used by the trajectory generator (ds_ttt/data/generator.py), the serve runner (ds_ttt/serve/runner.py),
-the Harbor environment and agent (ds_ttt/serve/harbor_env.py, harbor_agent.py) and the closed-loop task
+Used by the trajectory generator (ds_ttt/data/generator.py), the bash tool runner (ds_ttt/serve/tools.py),
+the Harbor environment and agent (ds_ttt/serve/frontends/harbor_env.py, harbor_agent.py) and the closed-loop task
 suite (ds_ttt/tasks/, ds_ttt/evaluation/closed_loop.py). docs/sandbox.md says what it protects against
 and what it does not; tests/unit/test_sandbox_hostile.py (and tests/harbor/ for Harbor) is the attack
 suite behind those claims.

@@ -1,18 +1,20 @@
-"""Serving a TTT agent: AgentSession (reset → act → observe …), the JSONL service, a sandboxed bash runner.
+"""Serving a TTT agent: the engine (sessions, batched decode, caches), the episode loop, and its front ends.
 
-  session.py   AgentModel (frozen weights + tokenizer, shared) and AgentSession (per-episode W + KV cache)
-  service.py   `python -m ds_ttt.serve --model EXPORT`: JSONL requests on stdin, responses on stdout
-  kv_cache.py  the session's preallocated key/value cache (decoding writes in place)
-  runner.py    `python -m ds_ttt.serve.runner --model EXPORT --task TEXT`: the agent's bash tool calls
-               executed in a throwaway sandbox directory with timeouts
-  http.py      `python -m ds_ttt.serve.http --model EXPORT`: an OpenAI-compatible chat-completions
-               server (FastAPI + uvicorn) whose conversations are TTT sessions
-  openai_api.py    the OpenAI wire format (request validation, replies, SSE chunks, error objects)
-  conversations.py the server's sessions: lookup by session_id or message prefix, fork-and-commit,
+The engine:
+  session.py       AgentModel (frozen weights + tokenizer, shared) and AgentSession (per-episode W + KV cache)
+  kv_cache.py      the session's preallocated key/value cache (decoding writes in place)
+  scheduler.py     BatchScheduler: many sessions' replies decoded in one forward (DirectEngine: one alone)
+  conversations.py the HTTP server's sessions: lookup by session_id or message prefix, fork-and-commit,
                    per-session locks, LRU eviction
-  harbor_agent.py  the Harbor agent (TTTAgent) that talks to http.py; harbor_env.py its sandbox-backed
-                   Harbor environment. Both run in the Harbor venv, which has no torch: this package
-                   therefore imports session.py (and torch) lazily, on first use of its names.
+  service.py       the JSONL protocol over named sessions
+  openai_api.py    the OpenAI wire format (request validation, replies, SSE chunks, error objects)
+The episode:
+  tools.py         the `bash` tool: parse a call, run it in an episode's sandboxed shell (BashToolRunner)
+  episode.py       the one loop act -> run tools -> observe (inner step), used by every harness
+The front ends (frontends/): JSONL (`python -m ds_ttt.serve`), OpenAI-compatible HTTP
+(`python -m ds_ttt.serve.frontends.http`), the task CLI (`python -m ds_ttt.serve.frontends.task_cli`), and
+the Harbor agent + environment. The Harbor modules run in the Harbor venv, which has no torch: this
+package therefore imports session.py (and torch) lazily, on first use of its names.
 See docs/serving.md and docs/harbor.md.
 """
 

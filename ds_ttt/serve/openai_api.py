@@ -4,7 +4,7 @@
     reply = completion(reply_id, model, message, finish_reason, usage, ttt)     # the JSON object
     chunks = stream_chunks(reply)                                               # "data: {...}\n\n" ...
 
-Pure functions over JSON values; no model and no web framework here (ds_ttt/serve/http.py serves
+Pure functions over JSON values; no model and no web framework here (ds_ttt/serve/frontends/http.py serves
 them, ds_ttt/serve/conversations.py runs the sessions). What is accepted:
 
   messages      system / developer (as system), user, assistant (content, tool_calls, optional

@@ -20,7 +20,7 @@ every check is exact, so an answer that merely contains the right value among ot
   dir_holds_exactly(dir, names)   the directory's entries (hidden ones too) are exactly `names`
   absent(path)                    the file is not there
 Paths are relative to the task's workdir (/app). The final reply is read from ANSWER_PATH: the
-closed-loop runner and the Harbor agent (ds_ttt.serve.harbor_agent) write the reply that ends the
+closed-loop runner and the Harbor agent (ds_ttt.serve.frontends.harbor_agent) write the reply that ends the
 episode there; a task whose checks read it says so in task.toml (`check = "answer"`).
 `answer_equals` and `answer_file` carry their expected value (`Check.expected`; `file_is(..., answer=)`
 names the value a moved or copied file's check turns on): the blind policies (blind_policies.py) write

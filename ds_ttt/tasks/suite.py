@@ -28,7 +28,7 @@ write_suite(..., check_blind=blind_policies.check_suite) runs the blind policies
 written tasks (evals/task_suite.py and the tests pass it): it refuses the suite, naming task and policy,
 when any blind policy passes any task, and records which tasks and kinds need the observation.
 The environments are plain files: run them with the project's sandbox environment
-(`--env ds_ttt.serve.harbor_env:SandboxEnvironment`), which copies environment/ into /app.
+(`--env ds_ttt.serve.frontends.harbor_env:SandboxEnvironment`), which copies environment/ into /app.
 """
 
 from __future__ import annotations

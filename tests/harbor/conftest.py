@@ -34,11 +34,11 @@ def harbor_python() -> Path:
 
 @pytest.fixture(scope="session")
 def ttt_server(scripted_export, tmp_path_factory):
-    """`python -m ds_ttt.serve.http` on 127.0.0.1 with an ephemeral port; yields its /v1 base URL."""
+    """`python -m ds_ttt.serve.frontends.http` on 127.0.0.1 with an ephemeral port; yields its /v1 base URL."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ds_ttt.serve.http", "--model", str(scripted_export),
+        proc = subprocess.Popen([sys.executable, "-m", "ds_ttt.serve.frontends.http", "--model", str(scripted_export),
                                  "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
     try:

@@ -26,7 +26,7 @@ from harbor.models.trial.paths import TrialPaths
 
 def load_env_class(path: str | None):
     if path is None:
-        from ds_ttt.serve.harbor_env import SandboxEnvironment
+        from ds_ttt.serve.frontends.harbor_env import SandboxEnvironment
 
         return SandboxEnvironment
     spec = importlib.util.spec_from_file_location("old_harbor_env", path)

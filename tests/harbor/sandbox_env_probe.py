@@ -1,4 +1,4 @@
-"""Probe of ds_ttt.serve.harbor_env.SandboxEnvironment's contract, run in the Harbor venv (Harbor is not
+"""Probe of ds_ttt.serve.frontends.harbor_env.SandboxEnvironment's contract, run in the Harbor venv (Harbor is not
 importable from the project's venv); prints one JSON object of observations that
 tests/harbor/test_harbor_agent.py checks.
 
@@ -18,7 +18,7 @@ from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPol
 from harbor.models.trial.paths import TrialPaths
 
 from ds_ttt.sandbox.kill import process_tree
-from ds_ttt.serve.harbor_env import SandboxEnvironment
+from ds_ttt.serve.frontends.harbor_env import SandboxEnvironment
 
 
 def make_env(environment_dir: Path, scratch: Path, name: str, mode: NetworkMode) -> SandboxEnvironment:
@@ -71,11 +71,12 @@ async def probe(environment_dir: Path, scratch: Path) -> dict:
     out["shell_timeout"] = (await env.shell("sleep 30; echo never", timeout_sec=1)).timed_out
     out["shell_after"] = (await env.shell("echo $PWD $KEPT")).output
     # the TTT agent's commands go through that persistent shell: a `cd` or export carries to its next command
-    from ds_ttt.serve.harbor_agent import TTTAgent
+    from ds_ttt.serve.frontends.harbor_agent import EnvironmentTools, TTTAgent
 
     agent = TTTAgent(logs_dir=scratch / "agent-logs", server_url="http://127.0.0.1:9/v1")
-    await agent._run_command(env, "cd /var/tmp && export AGENT_KEPT=1")
-    out["agent_shell"] = await agent._run_command(env, "echo $PWD $AGENT_KEPT")
+    tools = EnvironmentTools(env, agent.settings)
+    await tools.run_command("cd /var/tmp && export AGENT_KEPT=1")
+    out["agent_shell"] = await tools.run_command("echo $PWD $AGENT_KEPT")
 
     src = scratch / "upload"
     (src / "sub").mkdir(parents=True)

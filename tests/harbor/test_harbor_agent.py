@@ -6,7 +6,7 @@
     and a task that needs an image build is refused with a clear error; and its contract driven
     directly (sandbox_env_probe.py): workdir, read-only host /usr, absolute paths inside the sandbox
     root, timeouts, background processes, transfers, no link escapes, stop ends every process, no-network;
-  * TTTAgent against `python -m ds_ttt.serve.http` serving a tiny export that memorized one solution:
+  * TTTAgent against `python -m ds_ttt.serve.frontends.http` serving a tiny export that memorized one solution:
     its bash call runs in the environment, the verifier's reward (1) is read by Harbor, the server's
     `ttt.updates` grows by one per tool result (and stays 0 with `--ak ttt=false`), and the ATIF
     trajectory validates with Harbor's own model and imports with data_prep/prepare.py.
@@ -24,8 +24,8 @@ import sys
 from tests.harbor.scripted_agent import (FINAL_ANSWER, HARBOR_VENV, REPO, SOLUTION_COMMAND, TASK_DIR, harbor_env,
                                          scripted_conversation)
 
-AGENT = "ds_ttt.serve.harbor_agent:TTTAgent"
-ENVIRONMENT = "ds_ttt.serve.harbor_env:SandboxEnvironment"
+AGENT = "ds_ttt.serve.frontends.harbor_agent:TTTAgent"
+ENVIRONMENT = "ds_ttt.serve.frontends.harbor_env:SandboxEnvironment"
 
 
 def harbor_run(jobs_dir, job_name: str, *args: str, task=TASK_DIR) -> subprocess.CompletedProcess:
@@ -50,7 +50,7 @@ def exception_of(result: dict) -> str:
 
 def test_agent_and_environment_import_without_torch(harbor_python):
     """The Harbor venv has no torch: importing the agent's package must not pull it in."""
-    code = ("import sys, ds_ttt.serve.harbor_agent, ds_ttt.serve.harbor_env; "
+    code = ("import sys, ds_ttt.serve.frontends.harbor_agent, ds_ttt.serve.frontends.harbor_env; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     proc = subprocess.run([str(harbor_python), "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert proc.returncode == 0, ("the Harbor venv cannot import the agent (ds_ttt/serve/__init__.py must not import "
@@ -162,7 +162,7 @@ from pathlib import Path
 from harbor.environments.base import ExecResult
 from harbor.models.agent.context import AgentContext
 
-from ds_ttt.serve.harbor_agent import TTTAgent
+from ds_ttt.serve.frontends.harbor_agent import TTTAgent
 
 
 class LocalEnvironment:
@@ -214,7 +214,7 @@ def test_ttt_agent_retries_replays_after_eviction_and_deletes_its_session(harbor
 
     from ds_ttt.serve import AgentModel
     from ds_ttt.serve.conversations import ConversationStore
-    from ds_ttt.serve.http import bind, create_app, make_server
+    from ds_ttt.serve.frontends.http import bind, create_app, make_server
 
     store = ConversationStore(AgentModel.load(scripted_export), max_new_tokens=96)
     app = create_app(store, "scripted-export", api_keys=["sk-fleet"])

@@ -18,8 +18,8 @@ import pytest
 from ds_ttt.tasks.suite import load_suite, write_suite
 from tests.harbor.scripted_agent import HARBOR_VENV, REPO, harbor_env
 
-AGENT = "ds_ttt.serve.harbor_agent:TTTAgent"
-ENVIRONMENT = "ds_ttt.serve.harbor_env:SandboxEnvironment"
+AGENT = "ds_ttt.serve.frontends.harbor_agent:TTTAgent"
+ENVIRONMENT = "ds_ttt.serve.frontends.harbor_env:SandboxEnvironment"
 KINDS = ["explore_csv", "recovery_permission", "capture_script"]
 
 

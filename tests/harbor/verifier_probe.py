@@ -1,4 +1,4 @@
-"""Probe of the Harbor verifier on ds_ttt.serve.harbor_env.SandboxEnvironment, run in the Harbor venv: each
+"""Probe of the Harbor verifier on ds_ttt.serve.frontends.harbor_env.SandboxEnvironment, run in the Harbor venv: each
 policy's commands run in the trial's persistent shell (as ds_ttt's Harbor agent runs tool calls), then
 Harbor's own shared-mode `Verifier` grades the shipped count-lines task; prints {policy: reward or error}
 as one JSON object, which tests/harbor/test_harbor_verifier.py checks.
@@ -18,7 +18,7 @@ from harbor.models.task.task import Task
 from harbor.models.trial.paths import TrialPaths
 from harbor.verifier.verifier import Verifier
 
-from ds_ttt.serve.harbor_env import SandboxEnvironment
+from ds_ttt.serve.frontends.harbor_env import SandboxEnvironment
 
 TASK_DIR = Path(__file__).resolve().parents[1] / "assets" / "harbor" / "count-lines"
 

@@ -23,7 +23,7 @@ from ds_ttt.data.generator import generate
 from ds_ttt.sandbox import CommandResult, Sandbox, SandboxError, format_observation, probe
 from ds_ttt.sandbox.files import remove_tree
 from ds_ttt.sandbox.shell import MAX_OUTPUT_BYTES
-from ds_ttt.serve.runner import BashToolRunner
+from ds_ttt.serve.tools import BashToolRunner
 
 needs_bwrap = pytest.mark.skipif(not probe.network_isolation_available(),
                                  reason=f"bubblewrap sandbox unavailable here: {probe.isolation_problem()}")

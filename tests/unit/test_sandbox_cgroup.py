@@ -25,7 +25,7 @@ from ds_ttt.data.generator import generate
 from ds_ttt.sandbox import CommandResult, Sandbox, SandboxError, format_observation, probe
 from ds_ttt.sandbox import caps as cg
 from ds_ttt.sandbox.kill import process_tree
-from ds_ttt.serve.runner import BashToolRunner
+from ds_ttt.serve.tools import BashToolRunner
 
 REPO = Path(__file__).resolve().parents[2]
 needs_cgroups = pytest.mark.skipif(probe.cgroup_problem() is not None,

@@ -29,7 +29,7 @@ import pytest
 
 from ds_ttt.sandbox import Sandbox, format_observation, probe, process, shell
 from ds_ttt.sandbox.kill import process_tree
-from ds_ttt.serve.runner import BashToolRunner
+from ds_ttt.serve.tools import BashToolRunner
 
 from hostile import (ATTACKS, RESOURCE_ATTACKS, RESOURCE_LIMITS, WRITABLE_MOUNTS, HostTargets, ResourceWatch, command,
                      extra_check)

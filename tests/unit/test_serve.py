@@ -21,7 +21,8 @@ from ds_ttt.export import export_model
 from ds_ttt.model.presets import tiny_qwen3_config
 from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 from ds_ttt.serve import AgentModel, AgentSession, SessionError
-from ds_ttt.serve.runner import BashToolRunner, run_episode
+from ds_ttt.serve.episode import run_episode
+from ds_ttt.serve.tools import BashToolRunner
 from ds_ttt.serve.service import Service
 
 
@@ -264,9 +265,9 @@ def test_run_episode_loop_with_a_scripted_session():
 
     s = Scripted()
     with BashToolRunner(timeout=2) as runner:
-        result = run_episode(s, "task", runner, max_rounds=5)
-    assert result["finished"] and result["stop"] == "answer" and result["num_rounds"] == 2
-    assert s.seen == [["41", "[error: invalid tool call: bad json]"]]
+        episode = run_episode(s, runner, max_rounds=5)
+    assert episode.finished and episode.stop == "answer" and len(episode.rounds) == 2 and episode.answer == "done"
+    assert s.seen == [["41", "[error: invalid tool call: bad json]"]] and episode.rounds[0].obs_loss == 1.5
 
 
 def test_decoding_writes_a_preallocated_cache_in_place(tok, monkeypatch):

@@ -20,7 +20,7 @@ import torch
 
 from ds_ttt.serve import AgentModel, AgentSession
 from ds_ttt.serve.conversations import ConversationStore
-from ds_ttt.serve.http import bind, create_app, make_server
+from ds_ttt.serve.frontends.http import bind, create_app, make_server
 from ds_ttt.serve.scheduler import DirectEngine
 from ds_ttt.serve.session import DecodeOptions
 from tests.unit.serve_cases import SYSTEM, TASKS, TOOL_COMMAND, TOOLS, build_trimmed_export

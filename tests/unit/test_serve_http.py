@@ -30,8 +30,8 @@ import torch
 
 from ds_ttt.serve import AgentModel, AgentSession
 from ds_ttt.serve.conversations import ConversationStore
-from ds_ttt.serve.http import bind, create_app, make_server
-from ds_ttt.serve.runner import BashToolRunner
+from ds_ttt.serve.frontends.http import bind, create_app, make_server
+from ds_ttt.serve.tools import BashToolRunner
 from tests.unit.serve_cases import ACTION, SYSTEM, TASKS, TOOL_COMMAND, TOOLS, build_trimmed_export
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -346,7 +346,7 @@ def test_trimmed_export_loads_in_evaluation_memory_test_service_runner_and_http(
     from ds_ttt.sandbox import cgroup_problem, isolation_problem
 
     isolated, capped = isolation_problem() is None, cgroup_problem() is None
-    proc = subprocess.run([sys.executable, "-m", "ds_ttt.serve.runner", "--model", str(export), "--task", "List the files.",
+    proc = subprocess.run([sys.executable, "-m", "ds_ttt.serve.frontends.task_cli", "--model", str(export), "--task", "List the files.",
                            "--max-rounds", "2", "--max-new-tokens", "48"] + ([] if isolated else ["--no-isolation"])
                           + ([] if capped else ["--no-cgroup-caps"]),
                           capture_output=True, text=True, timeout=600, env=ENV, cwd=REPO)
@@ -357,7 +357,7 @@ def test_trimmed_export_loads_in_evaluation_memory_test_service_runner_and_http(
     assert (lines[-1]["cgroup_caps"] != "none") == capped  # what was used is recorded
     # the HTTP server, as a user starts it
     # (with its API key from the environment and a shorter context)
-    srv = subprocess.Popen([sys.executable, "-m", "ds_ttt.serve.http", "--model", str(export), "--port", "0",
+    srv = subprocess.Popen([sys.executable, "-m", "ds_ttt.serve.frontends.http", "--model", str(export), "--port", "0",
                             "--max-model-len", "1024"],
                            stderr=subprocess.PIPE, text=True, env=dict(ENV, DS_TTT_API_KEY="sk-env"), cwd=REPO)
     try:

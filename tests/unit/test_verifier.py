@@ -115,6 +115,9 @@ class _ScriptedSession:
 
     def __init__(self, *args, **kwargs):
         self.num_updates = 0
+        self.input_ids = [0]
+        self.agent = types.SimpleNamespace(prompt_ids=[1])
+        self.history = [types.SimpleNamespace(action_token_nll=[0.5, 0.5, 0.5])]
 
     def reset(self, instruction):
         pass

@@ -1,11 +1,11 @@
 """A Harbor environment on the project's bubblewrap sandbox, for tasks made of plain files (no Docker).
 
-    harbor run -p TASK_DIR --agent ds_ttt.serve.harbor_agent:TTTAgent \
-        --env ds_ttt.serve.harbor_env:SandboxEnvironment [--ek keep=true] [--ek cgroup_caps=none] ...
+    harbor run -p TASK_DIR --agent ds_ttt.serve.frontends.harbor_agent:TTTAgent \
+        --env ds_ttt.serve.frontends.harbor_env:SandboxEnvironment [--ek keep=true] [--ek cgroup_caps=none] ...
 
 Runs in the Harbor venv (Python >= 3.12, `bash setup_harbor.sh`); see docs/harbor.md and
-docs/sandbox.md. Each trial is one `ds_ttt.sandbox.Sandbox` (the generator's and the serve
-runner's sandbox): bubblewrap with no network, uid 1000 without capabilities, the host's /usr and /etc
+docs/sandbox.md. Each trial is one `ds_ttt.sandbox.Sandbox` (the generator's and the task
+CLI's sandbox): bubblewrap with no network, uid 1000 without capabilities, the host's /usr and /etc
 read-only, and as private size-capped tmpfs mounts the task's workdir (`/app` by default, holding the
 task's `environment/` files), HOME=/root, /tmp, /var/tmp and Harbor's `/logs`, `/tests`, `/solution`;
 everything else is read-only and no host path outside the system directories exists inside. Each
@@ -93,7 +93,7 @@ class SandboxEnvironment(BaseEnvironment):
     def preflight(cls) -> None:
         problem = isolation_problem()
         if problem is not None:
-            raise SystemExit(f"ds_ttt.serve.harbor_env.SandboxEnvironment cannot run here: {problem}. Install bubblewrap "
+            raise SystemExit(f"ds_ttt.serve.frontends.harbor_env.SandboxEnvironment cannot run here: {problem}. Install bubblewrap "
                              "(apt-get install bubblewrap), or use a Harbor environment with a container runtime "
                              "(--env docker).")
 

@@ -1,6 +1,6 @@
 """An OpenAI-compatible chat-completions server whose conversations learn at test time.
 
-    .venv/bin/python -m ds_ttt.serve.http --model EXPORT [--host 127.0.0.1] [--port 8000] [--device cpu] \
+    .venv/bin/python -m ds_ttt.serve.frontends.http --model EXPORT [--host 127.0.0.1] [--port 8000] [--device cpu] \
         [--attention-backend {auto,reference,cpu,cuda}] [--max-sessions 64] [--max-new-tokens 1024] \
         [--served-model-name NAME] [--busy-timeout 60] [--api-key KEY (or $DS_TTT_API_KEY)] \
         [--max-model-len N] [--max-tokens-cap N] [--max-body-bytes 8MiB] [--max-active 16] [--max-queue 64] \
@@ -69,7 +69,7 @@ def key_id(key: str) -> str:
 
 
 def log(message: str) -> None:
-    print(f"[ds_ttt.serve.http] {message}", file=sys.stderr, flush=True)
+    print(f"[ds_ttt.serve.frontends.http] {message}", file=sys.stderr, flush=True)
 
 
 class ChatServer:

@@ -41,4 +41,6 @@ def use_safe_loading(engine) -> None:
             with torch.serialization.safe_globals(allowed):
                 return torch.load(path, map_location=map_location, weights_only=True)
 
-    engine.checkpoint_engine = SafeTorchCheckpointEngine(engine._config)
+    safe = SafeTorchCheckpointEngine(None)  # DeepSpeed's config is the engine's private; copy the one setting it sets
+    safe.zipfile_serialization = engine.checkpoint_engine.zipfile_serialization
+    engine.checkpoint_engine = safe

@@ -45,7 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 __all__ = ["FlashBoBCPUBuilder", "FlashBoBCUDABuilder", "FlashBoBCUDAEmuBuilder", "load_cpu_op",
            "load_cuda_op", "load_cuda_emu_op", "default_extensions_dir", "load_info", "load_with_prebuilt",
-           "sources_digest", "DEFAULT_PREBUILT_DIR"]
+           "sources_digest", "ensure_extensions_dir", "DEFAULT_PREBUILT_DIR"]
 DEFAULT_PREBUILT_DIR = REPO_ROOT / "gpu_check" / "prebuilt"
 
 
@@ -55,7 +55,8 @@ def default_extensions_dir() -> Path:
     return REPO_ROOT / ".torch_extensions" / f"torch-{tag}"
 
 
-def _ensure_extensions_dir() -> None:
+def ensure_extensions_dir() -> None:
+    """Point TORCH_EXTENSIONS_DIR at the project's folder (default_extensions_dir) unless the user set it."""
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         os.environ["TORCH_EXTENSIONS_DIR"] = str(default_extensions_dir())
 
@@ -284,7 +285,7 @@ def load_info() -> dict[str, dict]:
 def load_cpu_op():
     """Build (first call only, ~30 s cold) and return the CPU extension module."""
     if "cpu" not in _OPS:
-        _ensure_extensions_dir()
+        ensure_extensions_dir()
         builder = FlashBoBCPUBuilder()
         if not builder.is_compatible():
             raise RuntimeError(f"flashbob cpu backend unavailable: {builder.incompatible_reason}")
@@ -295,7 +296,7 @@ def load_cpu_op():
 def load_cuda_emu_op():
     """Build and return the CPU-emulated CUDA kernels (tests only; slow, one thread per lane)."""
     if "cuda_emu" not in _OPS:
-        _ensure_extensions_dir()
+        ensure_extensions_dir()
         _OPS["cuda_emu"] = FlashBoBCUDAEmuBuilder().load(verbose=False)
     return _OPS["cuda_emu"]
 
@@ -303,7 +304,7 @@ def load_cuda_emu_op():
 def load_cuda_op():
     """The CUDA extension module: prebuilt when it fits (see above), else built (first call only)."""
     if "cuda" not in _OPS:
-        _ensure_extensions_dir()
+        ensure_extensions_dir()
         builder = FlashBoBCUDABuilder()
 
         def jit():

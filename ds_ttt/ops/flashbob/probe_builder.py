@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from deepspeed.ops.op_builder.builder import OpBuilder
 
-from .builder import CSRC, FlashBoBCUDABuilder, _ensure_extensions_dir, load_with_prebuilt
+from .builder import CSRC, FlashBoBCUDABuilder, ensure_extensions_dir, load_with_prebuilt
 
 __all__ = ["MmaProbeEmuBuilder", "MmaProbeCUDABuilder", "load_probe_emu", "load_probe_cuda"]
 
@@ -62,7 +62,7 @@ _PROBES: dict[str, object] = {}
 def load_probe_emu():
     """Build (first call only) and return the emulated probe module."""
     if "emu" not in _PROBES:
-        _ensure_extensions_dir()
+        ensure_extensions_dir()
         _PROBES["emu"] = load_with_prebuilt(MmaProbeEmuBuilder.NAME,
                                             lambda: MmaProbeEmuBuilder().load(verbose=False), gpu=False)
     return _PROBES["emu"]
@@ -71,7 +71,7 @@ def load_probe_emu():
 def load_probe_cuda():
     """Build (first call only) and return the GPU probe module; RuntimeError if it cannot."""
     if "cuda" not in _PROBES:
-        _ensure_extensions_dir()
+        ensure_extensions_dir()
         builder = MmaProbeCUDABuilder()
 
         def jit():

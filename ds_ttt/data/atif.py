@@ -12,6 +12,16 @@ Mapping: system step -> system message; user step -> user message; agent step ->
 carrying the results when it made none, as Terminus-style agents do). A summarization continues in
 `trajectory.cont-N.json`; each file becomes its own trajectory (the model's context restarts there)
 with id `<session>.cont-N` and the parent's session as `meta.group`, so a split never separates them.
+
+For RL (ATIF >= 1.7): an agent step's `metrics` may carry `prompt_token_ids` (everything the model had
+seen, then the assistant header), `completion_token_ids` (the reply, its closing <|im_end|> included)
+and `logprobs` (the log-probability of each completion id under the model at temperature 1 but the
+closing <|im_end|>, as OpenAI's and vLLM's logprobs leave it out), and its `extra.inner_loss` the
+loss of the test-time update its observation made (the observation's mean NLL under the fast weights
+before the update; null when the observation was never fed back). `rl_steps_atif` writes them
+(ds_ttt/evaluation/closed_loop.py; the Harbor agent writes the same fields from the server's
+`return_token_ids` reply); `atif_to_canonical` keeps them as `meta.rl_steps` (one entry per agent step),
+which `ds_ttt.data.importers.check_token_ids` compares with a re-tokenisation of the messages.
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ from .render import contains_control_tokens
 from .schema import TrajectoryError, normalize_arguments
 
 ATIF_VERSION = "ATIF-v1.4"
+ATIF_RL_VERSION = "ATIF-v1.7"  # the first version whose step metrics hold token ids and logprobs
+RL_METRICS = ("prompt_token_ids", "completion_token_ids", "logprobs")
 
 
 class ATIFError(TrajectoryError):
@@ -55,11 +67,45 @@ def atif_to_canonical(doc: dict, *, traj_id: str | None = None, group: str | Non
         meta.setdefault("model", agent["model_name"])
     if group:
         meta["group"] = group
+    rl_steps = [_rl_step(s) for s in steps if isinstance(s, dict) and s.get("source") == "agent"]
+    if any(r is not None for r in rl_steps):
+        meta["rl_steps"] = rl_steps
     traj = {"id": traj_id or session, "source": (extra.get("source") if isinstance(extra, dict) else None) or source, "messages": messages, "meta": meta}
     tools = _tool_defs(agent.get("tool_definitions"))
     if tools:
         traj["tools"] = tools
     return traj
+
+
+def _rl_step(step: dict) -> dict | None:
+    """An agent step's RL fields (module docstring), None when it has none; malformed ones raise."""
+    metrics = step.get("metrics") or {}
+    extra = step.get("extra") or {}
+    if not isinstance(metrics, dict) or not isinstance(extra, dict):
+        raise ATIFError("metrics and extra must be objects", step.get("step_id"))
+    out = {k: metrics[k] for k in RL_METRICS if metrics.get(k) is not None}
+    if "inner_loss" in extra:
+        out["inner_loss"] = extra["inner_loss"]
+    for k in ("prompt_token_ids", "completion_token_ids"):
+        if k in out and not (isinstance(out[k], list) and all(isinstance(t, int) for t in out[k])):
+            raise ATIFError(f"metrics.{k} must be a list of token ids (integers)", step.get("step_id"))
+    return out or None
+
+
+def rl_steps_atif(traj: dict, turns: list[dict], inner_losses: list, **atif_options) -> dict:
+    """`canonical_to_atif(traj)` at ATIF_RL_VERSION with each agent step's RL fields: `turns[k]` (its
+    prompt_token_ids, completion_token_ids, logprobs) in its metrics, `inner_losses[k]` in extra."""
+    doc = canonical_to_atif(traj, **atif_options)
+    doc["schema_version"] = ATIF_RL_VERSION
+    agent_steps = [s for s in doc["steps"] if s["source"] == "agent"]
+    if not len(agent_steps) == len(turns) == len(inner_losses):
+        raise ValueError(f"{len(agent_steps)} agent steps but {len(turns)} turns and {len(inner_losses)} inner "
+                         "losses: pass one of each per assistant message")
+    for step, turn, loss in zip(agent_steps, turns, inner_losses):
+        step["metrics"] = {"prompt_tokens": len(turn["prompt_token_ids"]),
+                           "completion_tokens": len(turn["completion_token_ids"])} | {k: turn[k] for k in RL_METRICS}
+        step["extra"] = {"inner_loss": loss}
+    return doc
 
 
 def _check_document(doc) -> tuple[str, dict, list]:

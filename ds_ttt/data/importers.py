@@ -18,6 +18,11 @@ record, byte for byte, while the ATIF copy is a conversion), otherwise the first
 every dropped copy is listed in `duplicate_copies`. The same id with different content rejects every
 version (neither is known to be the right one), each reject naming the other place.
 
+RL fields: an ATIF agent step's `prompt_token_ids`, `completion_token_ids`, `logprobs` (metrics) and
+`inner_loss` (extra) are kept as `meta.rl_steps` (ds_ttt/data/atif.py). `check_token_ids(traj, tokenizer)`
+says where they differ from a re-tokenisation of the imported messages (the project's renderer): the
+prompt ids must be the rendering up to the reply's first token, the completion ids the reply's tokens.
+
 Terminus-2 trial: `agent/episode-N/debug.json` holds the input messages of episode N and
 `response.txt` the raw reply (JSON `{"analysis", "plan", "commands": [{"keystrokes", "duration"}],
 "task_complete"}`, possibly after a `<think>` block). Episode N+1's input must extend episode N's
@@ -33,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .atif import ATIFError, atif_to_canonical, is_atif
+from .token_kind import TokenKind
 from .schema import TrajectoryError, normalize_trajectory
 
 _CONT = re.compile(r"^(?P<base>.+)\.cont-(?P<n>\d+)\.json$")
@@ -330,3 +336,36 @@ def import_inputs(paths: list[str | Path]) -> ImportResult:
     for p in paths:
         _walk(Path(p), result)
     return result
+
+
+# ---------------------------------------------------------------- RL token ids
+def check_token_ids(traj: dict, tokenizer) -> list[str]:
+    """Where `traj`'s `meta.rl_steps` differ from a re-tokenisation of its messages (empty: lossless).
+    Round k's reply is the k-th run of ACTION tokens of `render_trajectory`; its prompt is everything
+    before it."""
+    from .render import render_trajectory
+
+    steps = (traj.get("meta") or {}).get("rl_steps")
+    if not steps:
+        return [f"{traj['id']}: no meta.rl_steps (an ATIF file without token ids in its agent steps' metrics)"]
+    r = render_trajectory(traj, tokenizer)
+    spans: dict[int, list[int]] = {}
+    for i, (kind, rnd) in enumerate(zip(r.kinds, r.rounds)):
+        if kind == TokenKind.ACTION:
+            spans.setdefault(rnd, []).append(i)
+    replies = [spans[k] for k in sorted(spans)]
+    problems = []
+    if len(replies) != len(steps):
+        problems.append(f"{traj['id']}: {len(steps)} agent steps with RL fields but {len(replies)} rendered replies")
+    for k, (step, pos) in enumerate(zip(steps, replies), 1):
+        if step is None:
+            problems.append(f"{traj['id']}: agent step {k} has no token ids")
+            continue
+        want_prompt, want_completion = r.input_ids[:pos[0]], r.input_ids[pos[0]:pos[-1] + 1]
+        for name, got, want in (("prompt_token_ids", step.get("prompt_token_ids"), want_prompt),
+                                ("completion_token_ids", step.get("completion_token_ids"), want_completion)):
+            if got != want:
+                at = next((i for i, (a, b) in enumerate(zip(got or [], want)) if a != b), min(len(got or []), len(want)))
+                problems.append(f"{traj['id']}: agent step {k}: {name} differ from the re-tokenisation at token {at} "
+                                f"({len(got or [])} ids in the file, {len(want)} rendered)")
+    return problems

@@ -22,6 +22,8 @@ CLI and the Harbor agent run too):
 Episodes run together: each on its own thread (its sandbox commands overlap the others' decoding), all
 model work on one BatchScheduler (ds_ttt/serve/scheduler.py), the server's batched decode, so the
 tokens of up to `concurrency` replies are generated in one forward.
+With trajectory_dir=DIR every episode is also written as ATIF >= 1.7 for RL (`write_trajectory`: per
+agent step its prompt and completion token ids, logprobs and the inner loss of its observation's update).
 Greedy (temperature 0, attempts=1) or sampled: `attempts` = k independent samples per task, each with
 its own seed; pass@k counts a task solved when any attempt succeeds.
 """
@@ -87,9 +89,10 @@ def verify_task(task: Task) -> dict:
 
 def run_episode(agent, engine, task: Task, *, mode: str, attempt: int = 0, temperature: float = 0.0,
                 max_rounds: int = 12, max_new_tokens: int = 256, command_timeout: float = 10.0,
-                max_output_chars: int = 2000, seed: int = 0) -> EpisodeResult:
+                max_output_chars: int = 2000, seed: int = 0, trajectory_dir: str | None = None) -> EpisodeResult:
     """One task, one attempt: the episode loop (ds_ttt/serve/episode.py) on a fresh session and sandbox,
-    then the verifier on what the episode left."""
+    then the verifier on what the episode left. With `trajectory_dir`, the episode is also written there as
+    ATIF for RL (`write_trajectory`)."""
     from ds_ttt.serve.session import AgentSession, ContextFullError
 
     t0 = time.perf_counter()
@@ -112,7 +115,29 @@ def run_episode(agent, engine, task: Task, *, mode: str, attempt: int = 0, tempe
                            for c in r.message.get("tool_calls") or []]
         res.success, res.test_log = score_outcome(tools.sandbox, task, answer)
     res.seconds = time.perf_counter() - t0
+    if trajectory_dir is not None and res.rounds:
+        write_trajectory(trajectory_dir, res, session, ttt_agent.turns, episode, mode=mode)
     return res
+
+
+def write_trajectory(out_dir: str, res: EpisodeResult, session, turns: list[dict], episode, *, mode: str) -> str:
+    """`out_dir/<task>-a<attempt>.json`: the episode as ATIF >= 1.7 (ds_ttt/data/atif.py `rl_steps_atif`),
+    each agent step with its prompt and completion token ids, logprobs and the inner loss of the update
+    its observation made; the outcome in extra.meta. Returns the path."""
+    import json
+    import pathlib
+
+    from ds_ttt.data.atif import rl_steps_atif
+
+    traj = {"id": f"{res.task}-a{res.attempt}", "source": "closed_loop", "messages": session.messages,
+            "tools": session.tools, "meta": {"task": res.task, "kind": res.kind, "mode": mode, "attempt": res.attempt,
+                                            "stop": res.stop, "success": res.success, "updates": res.updates}}
+    losses = [r.obs_loss if r.outputs is not None else None for r in episode.rounds]
+    doc = rl_steps_atif(traj, turns, losses, agent_name="ds_ttt-closed-loop", model_name=f"ds_ttt-{mode}")
+    path = pathlib.Path(out_dir) / f"{traj['id']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+    return str(path)
 
 
 def run_episodes(agent, tasks: list[Task], *, mode: str, attempts: int = 1, temperature: float = 0.0,

@@ -125,11 +125,10 @@ class SessionAgent:
     `engine` (a BatchScheduler, or DirectEngine: the calling thread decodes alone).
 
     Per act it records what an RL trainer reads (`turns`): the prompt's token ids (everything the model
-    had seen, then the assistant header), the reply's token ids (its closing <|im_end|> included) and
-    the log-probability of each generated token under the model (temperature 1, as vLLM reports them).
-    A reply cut at its budget was closed with an <|im_end|> the model did not generate: it ends the
-    completion's ids and has no log-probability (`logprobs` is one shorter). A full context ends the
-    episode ("context_full")."""
+    had seen, then the assistant header), the reply's token ids (its closing <|im_end|> last) and the
+    log-probability of each of them under the model (temperature 1) but that closing token, as OpenAI's
+    and vLLM's logprobs leave it out (a reply cut at its budget was closed by one the model did not
+    generate). A full context ends the episode ("context_full")."""
 
     def __init__(self, session, engine=None):
         if engine is None:
@@ -153,7 +152,7 @@ class SessionAgent:
         action = list(decode.action)
         nll = list(ses.history[-1].action_token_nll)
         self.turns.append({"prompt_token_ids": prompt, "completion_token_ids": action,
-                           "logprobs": [-x for x in nll]})
+                           "logprobs": [-x for x in nll[:len(action) - 1]]})
         return message
 
     def observe(self, outputs: list[str]) -> float | None:

@@ -22,6 +22,11 @@ them, ds_ttt/serve/conversations.py runs the sessions). What is accepted:
                 the think block) | {"type": "function", "function": {"name"}} (a call of that tool);
                 parallel_tool_calls false: the reply ends after its first tool call
   stream        stream (+ stream_options.include_usage)
+  token ids     return_token_ids (vLLM's field; not with stream): the reply carries prompt_token_ids (what
+                the model had seen, then the assistant header) and each choice its token_ids (the reply,
+                its closing <|im_end|> included; null, with token_ids_error saying why, when the session
+                was evicted before they were read), and the ttt object the observation's inner loss
+                (obs_loss: its mean NLL before the update; null when the request fed no observation)
   ds_ttt        session_id (the `openai` client's extra_body), "ttt": false (frozen weights)
   accepted, no effect  user, metadata, store, frequency/presence penalty 0, response_format {"type": "text"},
                 logit_bias {}; an unknown field is ignored and logged (ChatRequest.ignored)
@@ -42,7 +47,7 @@ _NO_EFFECT = {"user", "metadata", "store", "service_tier"}
 _MUST_BE = {"frequency_penalty": 0, "presence_penalty": 0}
 _KNOWN = {"model", "messages", "tools", "temperature", "top_p", "max_tokens", "max_completion_tokens", "seed",
           "stream", "stream_options", "session_id", "ttt", "response_format", "top_logprobs", "logprobs", "n",
-          "stop", "tool_choice", "parallel_tool_calls", "logit_bias"} | _NO_EFFECT | set(_MUST_BE)
+          "stop", "tool_choice", "parallel_tool_calls", "logit_bias", "return_token_ids"} | _NO_EFFECT | set(_MUST_BE)
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_TOP_LOGPROBS = 20
 # Tool-call markup is the model's own output: a reply cut inside a tool call carries it in its content,
@@ -86,6 +91,7 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    return_token_ids: bool = False
     ignored: list[str] = field(default_factory=list)  # unknown fields (logged by the server)
 
 
@@ -281,6 +287,9 @@ def parse_chat_request(body, *, served_model: str, max_tokens_cap: int | None = 
     n = _number(body, "n", 1, 1, max_n, integer=True)
     if n > 1 and stream:
         raise bad("n > 1 is not supported with stream: true (send n requests, or stream: false)", "n")
+    token_ids = _bool(body, "return_token_ids", False)
+    if token_ids and stream:
+        raise bad("return_token_ids is not supported with stream: true (use stream: false)", "return_token_ids")
     return ChatRequest(
         model=model, messages=parse_messages(body.get("messages")), tools=tools,
         temperature=float(_number(body, "temperature", 0.0, 0.0, 2.0)), top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
@@ -288,7 +297,7 @@ def parse_chat_request(body, *, served_model: str, max_tokens_cap: int | None = 
         stream=stream, include_usage=bool(opts.get("include_usage")), session_id=sid, ttt=ttt,
         stop=_stop(body.get("stop")), tool_choice=choice, tool_name=name,
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True), logprobs=logprobs, top_logprobs=top,
-        n=n, ignored=ignored)
+        n=n, return_token_ids=token_ids, ignored=ignored)
 
 
 # ---- replies ------------------------------------------------------------------------------------
@@ -311,14 +320,20 @@ def finish_reason(message: dict, truncated: bool) -> str:
 
 
 def completion(reply_id: str, model: str, choices: list[dict], usage: dict, ttt: dict,
-               created: int | None = None) -> dict:
-    """choices: [{"message", "finish_reason", "logprobs" (None or {"content": [...]}), "ttt"}] in order."""
-    return {"id": reply_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
-            "system_fingerprint": None,
-            "choices": [{"index": i, "message": reply_message(c["message"]), "finish_reason": c["finish_reason"],
-                         "logprobs": c.get("logprobs")} | ({"ttt": c["ttt"]} if len(choices) > 1 else {})
-                        for i, c in enumerate(choices)],
-            "usage": usage, "ttt": ttt}
+               created: int | None = None, prompt_token_ids: list[int] | None = None) -> dict:
+    """choices: [{"message", "finish_reason", "logprobs" (None or {"content": [...]}), "ttt", "token_ids"?}]
+    in order; with token_ids in the choices (return_token_ids) the reply carries prompt_token_ids too."""
+    with_ids = any("token_ids" in c for c in choices)
+    reply = {"id": reply_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+             "system_fingerprint": None,
+             "choices": [{"index": i, "message": reply_message(c["message"]), "finish_reason": c["finish_reason"],
+                          "logprobs": c.get("logprobs")} | ({"ttt": c["ttt"]} if len(choices) > 1 else {})
+                         | ({k: c[k] for k in ("token_ids", "token_ids_error") if k in c} if with_ids else {})
+                         for i, c in enumerate(choices)],
+             "usage": usage, "ttt": ttt}
+    if with_ids:
+        reply["prompt_token_ids"] = prompt_token_ids
+    return reply
 
 
 _MARKERS = ("<think>", "</think>", "<tool_call>", "<|im_end|>")

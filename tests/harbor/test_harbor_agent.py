@@ -147,6 +147,18 @@ def test_ttt_agent_solves_the_task_through_harbor(harbor_python, ttt_server, tmp
     # the imported trajectory renders the very action tokens the model was trained to produce
     scripted = render_trajectory(scripted_conversation(), load_tokenizer())
     assert manifest["splits"]["train"]["tokens"]["action"] == scripted.count(TokenKind.ACTION)
+    # ready for RL: per step token ids and logprobs (the server's return_token_ids), the inner step's loss on
+    # the tool result, and token ids equal to a re-tokenisation of the imported messages
+    from ds_ttt.data.importers import check_token_ids, import_inputs
+
+    assert trajectory["schema_version"] >= "ATIF-v1.7"
+    for step in steps:
+        m = step["metrics"]
+        assert len(m["logprobs"]) == len(m["completion_token_ids"]) - 1 and len(m["prompt_token_ids"]) == m["prompt_tokens"]
+    assert isinstance(steps[0]["extra"]["inner_loss"], float) and steps[1]["extra"].get("inner_loss") is None
+    (imported,) = import_inputs([path]).trajectories
+    assert [r["inner_loss"] for r in imported["meta"]["rl_steps"]] == [steps[0]["extra"]["inner_loss"], None]
+    assert check_token_ids(imported, load_tokenizer()) == []
 
     frozen, trial = harbor_trial(tmp_path, "frozen", "--agent", AGENT, *options, "--ak", "ttt=false")
     assert exception_of(frozen) == "", exception_of(frozen)

@@ -103,3 +103,53 @@ def test_paired_statistics():
     assert 0.1 < d["lo"] < 0.2 < d["hi"] < 0.3 and d["mcnemar_p"] < 1e-5
     with pytest.raises(ValueError, match="same tasks"):
         paired_success_difference(a, {"x": True})
+
+
+def test_episodes_written_as_atif_for_rl_validate_and_import_losslessly(scripted_export, one_task_suite, tmp_path):
+    """trajectory_dir: each episode as ATIF >= 1.7 with per-step token ids, logprobs and inner loss; Harbor's
+    own pydantic models accept it (in the Harbor venv) and the importer reads the token ids back equal to a
+    re-tokenisation of the messages."""
+    import subprocess
+
+    from ds_ttt.data.importers import check_token_ids, import_inputs
+    from tests.harbor.scripted_agent import HARBOR_VENV
+
+    agent = AgentModel.load(scripted_export)
+    _, tasks = load_suite(one_task_suite)
+    (ep,) = run_episodes(agent, tasks, mode="ttt", max_new_tokens=96, progress=False, trajectory_dir=str(tmp_path))
+    assert ep.success and ep.rounds == 2, ep
+    path = tmp_path / "count-lines-a0.json"
+    doc = json.loads(path.read_text())
+    assert doc["schema_version"] == "ATIF-v1.7"
+    steps = [s for s in doc["steps"] if s["source"] == "agent"]
+    assert len(steps) == 2
+    for s in steps:
+        m = s["metrics"]
+        assert len(m["logprobs"]) == len(m["completion_token_ids"]) - 1 == m["completion_tokens"] - 1  # <|im_end|>
+        assert all(lp <= 0 for lp in m["logprobs"]) and m["prompt_tokens"] == len(m["prompt_token_ids"])
+    first, second = steps[0]["metrics"], steps[1]["metrics"]
+    assert second["prompt_token_ids"][:len(first["prompt_token_ids"]) + len(first["completion_token_ids"])] == \
+        first["prompt_token_ids"] + first["completion_token_ids"]
+    assert isinstance(steps[0]["extra"]["inner_loss"], float) and steps[1]["extra"]["inner_loss"] is None
+
+    result = import_inputs([path])
+    assert not result.rejects, result.rejects
+    (traj,) = result.trajectories
+    assert [s["completion_token_ids"] for s in traj["meta"]["rl_steps"]] == [first["completion_token_ids"],
+                                                                            second["completion_token_ids"]]
+    assert check_token_ids(traj, agent.tokenizer) == []
+    traj["meta"]["rl_steps"][1]["completion_token_ids"][0] += 1  # the check can fail
+    assert check_token_ids(traj, agent.tokenizer) == [
+        "count-lines-a0: agent step 2: completion_token_ids differ from the re-tokenisation at token 0 "
+        f"({len(second['completion_token_ids'])} ids in the file, {len(second['completion_token_ids'])} rendered)"]
+
+    harbor_python = HARBOR_VENV / "bin" / "python"
+    if not harbor_python.is_file():
+        pytest.skip(f"HARBOR VENV MISSING: {HARBOR_VENV}; create it with `bash setup_harbor.sh` to validate with "
+                    "Harbor's ATIF models")
+    code = ("import sys; from harbor.models.trajectories import Trajectory; "
+            "t = Trajectory.model_validate_json(open(sys.argv[1]).read()); "
+            "print(t.schema_version, len(t.steps[3].metrics.completion_token_ids))")
+    proc = subprocess.run([str(harbor_python), "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ATIF-v1.7", str(len(second["completion_token_ids"]))]

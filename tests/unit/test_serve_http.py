@@ -25,6 +25,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -93,6 +94,41 @@ def replay_locally(agent, task, outputs):
         s.act()
         s.observe([out])
     return s
+
+
+def test_return_token_ids_as_vllm_with_logprobs_and_the_inner_loss(server, agent):
+    """return_token_ids (vLLM's field, through the openai client's extra_body): prompt_token_ids on the reply,
+    token_ids on each choice, equal to a local session's greedy tokens; logprobs as without it; the second
+    reply's ttt.obs_loss is the loss the session's inner step took on the tool result."""
+    url, _ = server
+    c = client(url)
+    messages, sid = start(), None
+    local = AgentSession(agent, max_new_tokens=48)
+    local.reset(messages[1]["content"], system=SYSTEM, tools=TOOLS)
+    for k in range(2):
+        body = {"return_token_ids": True} | ({"session_id": sid} if sid else {})
+        r = c.chat.completions.create(model="export", messages=messages, tools=TOOLS, max_tokens=48, logprobs=True,
+                                      extra_body=body)
+        extra, choice = r.model_extra, r.choices[0]
+        sid = extra["ttt"]["session_id"]
+        prompt = list(local.input_ids) + list(agent.prompt_ids)
+        local.act()
+        assert extra["prompt_token_ids"] == prompt and len(prompt) == r.usage.prompt_tokens
+        assert choice.model_extra["token_ids"] == local.history[-1].action_ids
+        log = local.history[-1]  # OpenAI's logprobs leave out the closing <|im_end|>, as before
+        assert [lp.logprob for lp in choice.logprobs.content] == pytest.approx(
+            [-x for t, x in zip(log.action_ids, log.action_token_nll) if t not in agent.stop_ids], abs=1e-5)
+        if k == 0:
+            assert extra["ttt"]["obs_loss"] is None  # nothing observed yet
+        else:
+            assert extra["ttt"]["obs_loss"] == pytest.approx(local.history[-2].obs_nll, rel=1e-5)
+        call = choice.message.tool_calls[0]
+        messages += [as_sent(choice.message), {"role": "tool", "tool_call_id": call.id, "content": "ok"}]
+        local.observe(["ok"])
+    plain = c.chat.completions.create(model="export", messages=start(), tools=TOOLS, max_tokens=4)
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
+    with pytest.raises(openai.BadRequestError, match="return_token_ids is not supported with stream"):
+        c.chat.completions.create(model="export", messages=start(), stream=True, extra_body={"return_token_ids": True})
 
 
 def test_openai_client_tool_loop_learns_one_update_per_tool_result(server, agent):

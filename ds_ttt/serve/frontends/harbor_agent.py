@@ -42,9 +42,12 @@ Serving a fleet (`harbor run -n 8` on one server):
   * the session is deleted on the server when the episode ends (also on an error);
   * without `seed` every attempt draws a fresh seed (recorded in the metadata), so pass@k attempts
     sample independently; with one, every attempt uses it.
-The trajectory is written as ATIF (`logs_dir/trajectory.json`, Harbor's own pydantic model, rewritten
-after every round) with the server's `ttt` object ({"session_id", "updates", "skipped", "policy"})
-and usage on each agent step; it imports with `data_prep/prepare.py`.
+The trajectory is written as ATIF (`logs_dir/trajectory.json`, Harbor's own pydantic model, ATIF-v1.8,
+rewritten after every round) with the server's `ttt` object ({"session_id", "updates", "skipped",
+"policy", ...}) and usage on each agent step, and for RL (the server's `return_token_ids` and logprobs)
+the step's `prompt_token_ids`, `completion_token_ids` and `logprobs` in its metrics and, in its extra,
+`inner_loss`: the loss of the inner step the server took on its tool results (reported with the next
+reply; null when no reply followed). It imports with `data_prep/prepare.py` (ds_ttt/data/atif.py).
 
 Options (`--ak key=value`; `server_url` also from $DS_TTT_SERVER_URL, `api_key` from $DS_TTT_API_KEY):
 server_url, api_key, max_rounds, command_timeout_sec, temperature, top_p, max_tokens, seed, ttt (false:
@@ -257,8 +260,9 @@ class ServerAgent:
             try:
                 return await self.complete(
                     model=self.model, messages=self.messages, tools=[BASH_TOOL], temperature=opts.temperature,
-                    top_p=opts.top_p, max_tokens=opts.max_tokens, seed=self.seed,
-                    extra_body={"ttt": opts.ttt} | ({"session_id": self.server_session} if self.server_session else {}))
+                    top_p=opts.top_p, max_tokens=opts.max_tokens, seed=self.seed, logprobs=True,
+                    extra_body={"ttt": opts.ttt, "return_token_ids": True}
+                    | ({"session_id": self.server_session} if self.server_session else {}))
             except openai.NotFoundError as e:
                 code = (e.body or {}).get("code") if isinstance(e.body, dict) else None
                 if self.server_session is None or code != "session_not_found":
@@ -344,6 +348,8 @@ class TrajectoryRecord:
             self.totals["prompt"] += usage.prompt_tokens
             self.totals["completion"] += usage.completion_tokens
         invalid = message["invalid_tool_calls"]
+        if (ttt or {}).get("observed") and self.steps[-1].source == "agent":  # the inner step on the last results
+            self.steps[-1].extra["inner_loss"] = ttt.get("obs_loss")
         self.steps.append(Step(
             step_id=len(self.steps) + 1, timestamp=_now(), source="agent", model_name=self.model,
             message=message["content"], reasoning_content=message.get("reasoning_content"),
@@ -351,11 +357,23 @@ class TrajectoryRecord:
                                  arguments=_arguments_dict(c["function"]["arguments"])) for c in calls] or None,
             observation=Observation(results=[ObservationResult(source_call_id=c["id"], content=o)
                                              for c, o in zip(calls, r.outputs)]) if calls else None,
-            metrics=Metrics(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)
-            if usage is not None else None,
-            extra={"ttt": ttt, "finish_reason": reply.choices[0].finish_reason}
-            | ({"invalid_tool_calls": invalid} if invalid else {})))
+            metrics=self.metrics(reply),
+            extra={"ttt": ttt, "finish_reason": reply.choices[0].finish_reason, "inner_loss": None}
+            | ({"invalid_tool_calls": invalid} if invalid else {})
+            | {k: v for k, v in (reply.choices[0].model_extra or {}).items() if k == "token_ids_error"}))
         self.write(stop=None)
+
+    @staticmethod
+    def metrics(reply) -> Metrics:
+        """Usage and, for RL, the reply's token ids and logprobs (the server's return_token_ids, vLLM's
+        fields); a server that sent none of them leaves them out."""
+        choice, usage = reply.choices[0], reply.usage
+        logprobs = choice.logprobs.content if choice.logprobs is not None and choice.logprobs.content else None
+        return Metrics(prompt_tokens=usage.prompt_tokens if usage else None,
+                       completion_tokens=usage.completion_tokens if usage else None,
+                       prompt_token_ids=(reply.model_extra or {}).get("prompt_token_ids"),
+                       completion_token_ids=(choice.model_extra or {}).get("token_ids"),
+                       logprobs=[lp.logprob for lp in logprobs] if logprobs is not None else None)
 
     def write(self, stop: str | None) -> None:
         ttt, totals = self.agent.ttt, self.totals

@@ -159,6 +159,8 @@ class ChatServer:
         reply_id, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         if not req.stream:
             result = await self.run_cancellable(request, req, owner)  # the model runs off the event loop
+            if req.return_token_ids:
+                return self.reply_of(result, reply_id, created, tokens=self.token_ids_of(result, owner))
             return self.reply_of(result, reply_id, created)
         return await self.stream(req, reply_id, created, owner)
 
@@ -184,13 +186,50 @@ class ChatServer:
             cancel.set()
             raise
 
-    def reply_of(self, result, reply_id: str, created: int) -> dict:
+    def reply_of(self, result, reply_id: str, created: int, tokens: tuple | None = None) -> dict:
         choices = [{"message": c["message"], "finish_reason": finish_reason(c["message"], c["truncated"]),
                     "logprobs": c["logprobs"], "ttt": c["ttt"]} for c in result.choices]
+        ttt = result.ttt
+        if tokens is not None:  # return_token_ids: token ids per choice, the observation's inner loss in ttt
+            prompt_ids, per_choice = tokens
+            choices = [c | {"token_ids": ids, "ttt": c["ttt"] | {"obs_loss": loss}}
+                       | ({"token_ids_error": error} if error else {}) for c, (ids, loss, error) in zip(choices, per_choice)]
+            ttt = choices[0]["ttt"]
         usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
                  "total_tokens": result.prompt_tokens + result.completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
-        return completion(reply_id, self.model_name, choices, usage, result.ttt, created)
+        return completion(reply_id, self.model_name, choices, usage, ttt, created,
+                          prompt_token_ids=None if tokens is None else tokens[0])
+
+    def token_ids_of(self, result, owner) -> tuple[list[int] | None, list[tuple]]:
+        """(prompt ids, [(reply ids, inner loss of the observation this request fed, error)] per choice), read
+        from each choice's session right after its reply was committed. A session evicted meanwhile has no
+        ids to give: its choice says so (token_ids null, token_ids_error naming why), the reply stands. One
+        that moved on (a second request on the conversation) is a 409 rather than another reply's ids."""
+        prompt, per_choice = None, []
+        end = len(self.store.agent.action_end_ids)
+        for c in result.choices:
+            ttt = c["ttt"]
+            try:
+                session = self.store.get(ttt["session_id"], owner).session
+            except APIError as e:
+                if e.status != 404:
+                    raise
+                per_choice.append((None, None, f"session {ttt['session_id']} was evicted before its token ids were "
+                                   "read"))
+                continue
+            ids, history = list(session.input_ids), session.history
+            if len(ids) != ttt["num_tokens"]:
+                raise APIError(409, f"session {ttt['session_id']} moved on before its token ids were read (another "
+                               "request on it); send one request per conversation at a time", param="return_token_ids",
+                               code="session_busy")
+            action = list(history[-1].action_ids)
+            prompt = ids[:len(ids) - len(action) - end]
+            if len(prompt) != result.prompt_tokens:
+                raise AssertionError(f"prompt ids {len(prompt)} != usage.prompt_tokens {result.prompt_tokens}")
+            loss = history[-2].obs_nll if ttt.get("observed") and len(history) > 1 else None
+            per_choice.append((action, loss, None))
+        return prompt, per_choice
 
     async def stream(self, req, reply_id: str, created: int, owner):
         """SSE while generating: the request runs in a worker thread whose on_token callback feeds a

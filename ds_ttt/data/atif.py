@@ -102,6 +102,12 @@ def rl_steps_atif(traj: dict, turns: list[dict], inner_losses: list, **atif_opti
         raise ValueError(f"{len(agent_steps)} agent steps but {len(turns)} turns and {len(inner_losses)} inner "
                          "losses: pass one of each per assistant message")
     for step, turn, loss in zip(agent_steps, turns, inner_losses):
+        # the result of a call that did not parse (the session's `[error: invalid tool call: …]`) names no
+        # tool call of the step: it stays a result without source_call_id, as ATIF allows
+        calls = {c["tool_call_id"] for c in step.get("tool_calls") or []}
+        for r in (step.get("observation") or {}).get("results") or []:
+            if r.get("source_call_id") not in calls:
+                r.pop("source_call_id", None)
         step["metrics"] = {"prompt_tokens": len(turn["prompt_token_ids"]),
                            "completion_tokens": len(turn["completion_token_ids"])} | {k: turn[k] for k in RL_METRICS}
         step["extra"] = {"inner_loss": loss}

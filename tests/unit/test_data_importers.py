@@ -152,3 +152,41 @@ def test_terminus2_style_atif_without_call_ids():
     doc["steps"][1]["observation"]["results"][0]["source_call_id"] = "call_9"
     with pytest.raises(ATIFError, match="call_9"):
         atif_to_canonical(doc)
+
+
+def test_rl_atif_round_trip_and_token_check(tmp_path):
+    """rl_steps_atif writes token ids, logprobs and inner losses per agent step (ATIF-v1.7); the importer keeps
+    them as meta.rl_steps and check_token_ids finds them equal to a re-tokenisation, or names the step that
+    differs. An invalid call's error result names no tool call of its step, so it loses its source_call_id."""
+    from ds_ttt.data.atif import rl_steps_atif
+    from ds_ttt.data.importers import check_token_ids
+    from ds_ttt.data.render import TokenKind, render_trajectory
+    from ds_ttt.data.tokenizer import load_tokenizer
+
+    t = normalize_trajectory(generate_one(2, 0))
+    asst = [i for i, m in enumerate(t["messages"]) if m["role"] == "assistant"]
+    first_call = t["messages"][asst[0]]["tool_calls"][0]["id"]
+    k = next(i for i in range(asst[0] + 1, len(t["messages"])) if t["messages"][i]["role"] != "tool")
+    t["messages"].insert(k, {"role": "tool", "tool_call_id": "call_9", "content": "[error: invalid tool call: x]"})
+    tok = load_tokenizer()
+    r = render_trajectory(t, tok)
+    turns = []
+    for rnd in sorted({rd for kind, rd in zip(r.kinds, r.rounds) if kind == TokenKind.ACTION}):
+        pos = [i for i, (kind, rd) in enumerate(zip(r.kinds, r.rounds)) if kind == TokenKind.ACTION and rd == rnd]
+        completion = r.input_ids[pos[0]:pos[-1] + 1]
+        turns.append({"prompt_token_ids": r.input_ids[:pos[0]], "completion_token_ids": completion,
+                      "logprobs": [-0.5] * (len(completion) - 1)})
+    losses = [1.25] * (len(turns) - 1) + [None]
+    doc = rl_steps_atif(t, turns, losses)
+    assert doc["schema_version"] == "ATIF-v1.7"
+    results = doc["steps"][[s["source"] for s in doc["steps"]].index("agent")]["observation"]["results"]
+    assert results[0]["source_call_id"] == first_call and "source_call_id" not in results[-1]
+    (tmp_path / "rl.json").write_text(json.dumps(doc))
+    res = import_inputs([tmp_path / "rl.json"])
+    assert not res.rejects, res.rejects
+    (back,) = res.trajectories
+    assert [s["inner_loss"] for s in back["meta"]["rl_steps"]] == losses
+    assert check_token_ids(back, tok) == []
+    back["meta"]["rl_steps"][0]["prompt_token_ids"] = back["meta"]["rl_steps"][0]["prompt_token_ids"][:-1]
+    (problem,) = check_token_ids(back, tok)
+    assert "agent step 1: prompt_token_ids differ from the re-tokenisation" in problem

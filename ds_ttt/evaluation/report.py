@@ -88,6 +88,23 @@ def write_plots(results: dict, out_dir: str | pathlib.Path) -> list[str]:
     style = {"ttt": dict(color="tab:blue", marker="o"), "frozen": dict(color="tab:gray", marker="s")}
     files = []
 
+    def save(fig, axes, titles, name, *, ylabel=None, ylim=None):
+        """Per-round axes (integer rounds, titles, grid, legend), then write OUT/name and close the figure."""
+        for ax, title in zip(axes, titles):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("round")
+            if ylabel is not None:
+                ax.set_ylabel(ylabel)
+            if ylim is not None:
+                ax.set_ylim(*ylim)
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        files.append(name)
+
     def series(m, key):
         rows = results["per_round"][m]
         pts = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
@@ -100,33 +117,14 @@ def write_plots(results: dict, out_dir: str | pathlib.Path) -> list[str]:
         if m == "ttt":
             axes[1].plot(*series(m, "obs_nll_after"), label="ttt (after update)", linestyle="--", color="tab:orange",
                          marker="^")
-    for ax, title in zip(axes, ("action NLL", "observation NLL")):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("round")
-        ax.set_ylabel("NLL (nats/token)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "loss_vs_round.png", dpi=120)
-    plt.close(fig)
-    files.append("loss_vs_round.png")
+    save(fig, axes, ("action NLL", "observation NLL"), "loss_vs_round.png", ylabel="NLL (nats/token)")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for m in modes:
         axes[0].plot(*series(m, "action_exact"), label=m, **style.get(m, {}))
         axes[1].plot(*series(m, "obs_exact"), label=m, **style.get(m, {}))
-    for ax, title in zip(axes, ("action exact match", "observation exact match (with end token)")):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("round")
-        ax.set_ylim(-0.05, 1.05)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "exact_vs_round.png", dpi=120)
-    plt.close(fig)
-    files.append("exact_vs_round.png")
+    save(fig, axes, ("action exact match", "observation exact match (with end token)"), "exact_vs_round.png",
+         ylim=(-0.05, 1.05))
     return files
 
 

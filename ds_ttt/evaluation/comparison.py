@@ -42,6 +42,7 @@ import numpy as np
 
 from ds_ttt.evaluation.intervals import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_ratio_interval, wilson_interval
 from ds_ttt.evaluation.memory import MEMORY_SPLITS
+from ds_ttt.model.context import ContextPolicy, PolicyKind
 
 # generator seeds of the fresh episodes (the training corpus uses small seeds: 0, 1, ...)
 EPISODE_SEEDS = {"test": 3_000_000, "dev": 4_000_000}
@@ -161,14 +162,14 @@ def score_model(model, tokenizer, sets: dict[str, list[dict]], *, progress: bool
         out[mode]["memory_diagnostics"] = {
             name: _world_diagnostics(sets[name], sites[name], records[name], per_set[name]) for name in WORLD_SETS}
         out[mode]["addressing_margin"] = margins
-        if model.ttt.round_address and model.ttt.context_policy != "full":
+        if model.ttt.round_address and not model.policy.sees_everything:
             # the round address pools over the current round, which only current_round defines: no full-context
             # twin of this model exists, so the copy check is not measured (an empty count, reported as n/a)
             _add_rate(out[mode], "copy_check", [])
             out[mode]["copy_check_note"] = "not measured: the round address needs the current_round policy"
             continue
         copy_rows = per_set["memory_worlds"]
-        if model.ttt.context_policy != "full":
+        if not model.policy.sees_everything:
             copy_rows = _score_full_context(model, tokenizer, rendered["memory_worlds"], run_mode, progress=progress)
         _add_rate(out[mode], "copy_check", [x for w in _readbacks(sets["memory_worlds"], copy_rows) for x in w])
     return out
@@ -199,14 +200,13 @@ def _world_diagnostics(worlds: list[dict], sites: list, records: list, per_traj:
 
 def _score_full_context(model, tokenizer, rendered: list, run_mode: str, *, progress: bool) -> list:
     """_score_trajectories with the model's context policy switched to full for the call."""
-    from ds_ttt.evaluation.runner import set_context_policy
-
-    trained = set_context_policy(model, "full")
+    trained = model.policy
+    model.set_context_policy(ContextPolicy(PolicyKind.FULL))
     try:
         return _score_trajectories(model, tokenizer, rendered, run_mode, desc=f"{run_mode} copy check (full context)",
                                    progress=progress)
     finally:
-        set_context_policy(model, trained)
+        model.set_context_policy(trained)
 
 
 def _readbacks(trajs: list[dict], per_traj: list) -> list[list[bool]]:
@@ -338,7 +338,8 @@ def targets(report: dict) -> dict:
     episodes' rounds; TTT full context is no worse than SFT
     full context on action NLL and better on recovery NLL, with a paired interval excluding zero."""
     out = {}
-    row = next((r for r in report["rows"] if r["mode"] == "ttt" and r["train_policy"] == "current_round"), None)
+    row = next((r for r in report["rows"]
+                if r["mode"] == "ttt" and PolicyKind(r["train_policy"]) is PolicyKind.CURRENT_ROUND), None)
     if row is not None:
         out["worlds_128"] = {"threshold": ">= 50% of 128 worlds, interval lower bound >= 40%",
                              "value": row["worlds_128_count"], "lo": row["worlds_128_lo"],

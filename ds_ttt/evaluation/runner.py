@@ -16,37 +16,21 @@ when attention can see the past).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ds_ttt.evaluation.metrics import RoundMetrics, by_round_index, round_metrics, summarize
+from ds_ttt.model.context import PolicyKind
 
 MODES = ("ttt", "frozen")
 
 
-def set_context_policy(model, context_policy: str, *, window: int | None = None) -> str:
-    """Replace the model's context policy in place; returns the trained one.
-
-    The model holds it twice: `model.ttt.context_policy` (+ `window`), which the event loop turns into
-    a ContextPolicy on every call, and `model.policy`, built once in __init__ for the whole-sequence
-    prefix pass. Both are replaced, so the result equals a model constructed with the new policy.
-    `window` is needed for "window" unless the model was trained with a window (then it is kept).
-    """
-    from ds_ttt.model.context import ContextPolicy
-
-    trained = model.ttt.context_policy
-    if context_policy == "window":
-        window = window if window is not None else model.ttt.window
-    elif window:
-        raise ValueError(f"window={window} is only used with context_policy='window'")
-    else:
-        window = 0
-    ttt = dataclasses.replace(model.ttt, context_policy=context_policy, window=window)
-    ttt.validate(model.config.num_hidden_layers)
-    model.ttt = ttt
-    model.policy = ContextPolicy.from_ttt(ttt)
-    return trained
+def set_context_policy(model, context_policy: str, *, window: int | None = None) -> PolicyKind:
+    """Replace the model's context policy in place (`TTTQwen3ForCausalLM.set_context_policy`); returns the
+    trained one's kind. `window` is needed for "window" unless the model was trained with a window (then
+    it is kept); the other policies take none."""
+    trained = model.policy
+    model.set_context_policy(trained.switched_to(context_policy, window=window))
+    return trained.kind
 
 
 def evaluate_trajectory(model, traj, mode: str, *, tokenizer=None, device="cpu") -> tuple[list[RoundMetrics], dict]:

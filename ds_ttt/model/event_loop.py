@@ -27,7 +27,8 @@ Memory: with `checkpoint_events` (while meta-training) each event is one EventFu
 only the update (the gradient's factors or the gradient, in the compute dtype); the fast weights pass
 between events as zero-storage stand-ins, and each event's backward rebuilds its W bit for bit and
 recomputes the event with the inner step differentiable. Keys and values stay per-event chunks (no
-re-copy per event); an event is handed only the chunks its context policy may show it.
+re-copy per event); an event is handed only the rows its context policy shows it, selected once per
+event (ContextPolicy.select_chunks; a window's partial chunk as a view).
 (docs/training.md, "Memory at long context".)
 
 The inner gradient holds the earlier events' cache fixed (an alias of W per event), as evaluation and
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from ds_ttt.config import TTTConfig
 from ds_ttt.data.token_kind import TokenKind
-from ds_ttt.model.context import ContextPolicy, LayerCache
+from ds_ttt.model.context import AttentionSpan, ContextPolicy, LayerCache
 from ds_ttt.model.event_checkpoint import EventFunction, EventRun, FastWeightChain, StepOut
 from ds_ttt.model.fast_weights import FactorTaps, FastWeights, inner_loop_weights
 from ds_ttt.model.inner_step import inner_update, trainable_fast_weights
@@ -285,23 +286,24 @@ def _run_event(loop: _Loop, plan: _EventPlan, carried: _Carried, h_event: torch.
     obs_mask = plan.obs_mask_h.to(device, non_blocking=True)
     positions = torch.arange(start, end, device=device)[None]
     # The earlier events' keys/values this event may see, per layer, as they were stored (one chunk per
-    # event: nothing is re-copied per event; the step concatenates them, and EventCache's `select`
-    # trims them exactly). Chosen from host metadata, outside the step.
+    # event: nothing is re-copied per event), and of them the rows it sees: selected here, once per event
+    # from host metadata (a window's partial chunk is a view), however often the event is scored.
     visible = [[c for c in chunks if policy.may_see_event(start, round_id, int(c.positions_S[-1]) + 1,
                                                           int(c.rounds_S[0]))] for chunks in carried.chunks]
+    selected = [policy.select_chunks(chunks, start, round_id) for chunks in visible]
 
-    def caches_of(kvs) -> list[list[LayerCache]]:
-        """Per layer, the visible chunks with the step's own key/value tensors (EventCache concatenates
-        them once, with the event's new keys and values, inside attention)."""
+    def pairs_of(kvs) -> list[tuple[list[LayerCache], AttentionSpan]]:
+        """Per layer, the selected rows with the step's own key/value tensors, and their span (EventCache
+        concatenates them once, with the event's new keys and values, inside attention)."""
         out, i = [], 0
-        for chunks in visible:
-            out.append([LayerCache(kvs[i + 2 * j], kvs[i + 2 * j + 1], c.positions_S, c.rounds_S)
-                        for j, c in enumerate(chunks)])
-            i += 2 * len(chunks)
+        for kept, span in selected:
+            out.append(([LayerCache(kvs[i + 2 * j], kvs[i + 2 * j + 1], c.positions_S, c.rounds_S)
+                         for j, c in enumerate(kept)], span))
+            i += 2 * len(kept)
         return out
 
     def score(h, ws, kvs, tails, in_graph=act_mask | obs_mask):
-        cache = EventCache(caches_of(kvs), start, round_id, policy, ttt.attention_backend)
+        cache = EventCache(pairs_of(kvs), ttt.attention_backend)
         out = forward_chunk(suffix.layers, h, suffix.rotary_emb(h, positions), cache, fast_weights=ws, key_prev=tails)
         nll, logits = _nll(suffix, out.hidden_BTC, local, tgt, in_graph=in_graph if loop.record else None)
         # the inner loss's weights: the observation labels, each at its write rate when the model has one
@@ -346,7 +348,7 @@ def _run_event(loop: _Loop, plan: _EventPlan, carried: _Carried, h_event: torch.
     # context policy closes (current_round: no key sees an earlier round)
     tails_in = ([torch.zeros_like(t) for t in carried.key_tails] if policy.rounds_are_segments
                 else carried.key_tails)
-    flat_in = [t for chunks in visible for c in chunks for t in (c.k_1HSD, c.v_1HSD)]
+    flat_in = [t for kept, _ in selected for c in kept for t in (c.k_1HSD, c.v_1HSD)]
     if not create_graph:
         h_event = h_event.detach()
         tails_in = [t.detach() for t in tails_in]

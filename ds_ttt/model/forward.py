@@ -4,16 +4,18 @@
     out.hidden_BTC, out.key_last, out.write_rate_BT
 
 Every pass of ds_ttt through decoder layers is this loop: the whole-sequence pass of the frozen layers
-(qwen3.run_decoder_layers), a training or evaluation event (event_loop.forward_event), one serving
-session's chunk (serve/session.py) and a decode step of many sessions (serve/batch.py). What differs
-between them is only where attention's keys and values come from and where the new ones go: the
-cache. A cache answers `attend(layer_index)` with the attention function of that layer, which reads
-the visible keys/values, records or writes the new ones, and runs the kernel; which keys are visible
-is the ContextPolicy's answer (context.py), asked by the cache. The two caches of the model live here:
+(qwen3.run_decoder_layers), a training or evaluation event (event_loop.forward_event) and every
+serving step (`TTTQwen3ForCausalLM.step`: one session's chunk, a decode step of many sessions, a
+batched prefill). What differs between them is only where attention's keys and values come from and
+where the new ones go: the cache. A cache answers `attend(layer_index)` with the attention function
+of that layer, which reads the visible keys/values, records or writes the new ones, and runs the
+kernel; which keys are visible is the ContextPolicy's answer (context.py). A cache that the model's
+`step` is handed (a `StepCache`) also owns the memory key's state: `key_prev()` before the chunk,
+`commit_keys(...)` after it. The two caches of the model live here:
 
   WholeSequence  every token at once under one attention function (the policy's mask); nothing kept
-  EventCache     new tokens of one event against per-layer LayerCaches pruned by the policy; records
-                 each layer's (kept cache, new k, new v) for the caller to carry
+  EventCache     new tokens of one event against the per-layer rows the event loop selected (once per
+                 event, ContextPolicy.select_chunks); records each layer's (kept rows, new k, new v)
 
 Serving's caches (a session's KV cache, a batch of sessions) are in ds_ttt/serve/. Per layer the loop
 takes, in layer order, three fast-weight tensors for each adaptive layer (none: W_0) and one key state
@@ -30,7 +32,7 @@ from typing import Protocol, Sequence
 import torch
 from torch import nn
 
-from ds_ttt.model.context import AttentionSpan, ContextPolicy, LayerCache
+from ds_ttt.model.context import AttentionSpan, LayerCache
 from ds_ttt.model.fast_weights import KeyHistory
 
 class ChunkCache(Protocol):
@@ -38,6 +40,18 @@ class ChunkCache(Protocol):
 
     def attend(self, layer_index: int):
         """The attention function (q, k_new, v_new) -> o of decoder layer `layer_index` of the stack."""
+
+
+class StepCache(ChunkCache, Protocol):
+    """A ChunkCache that also owns the memory key's state across chunks (what `TTTQwen3ForCausalLM.step`
+    is handed: ds_ttt/serve/session_chunk.py, ds_ttt/serve/pooled_chunk.py)."""
+
+    def key_prev(self) -> list | None:
+        """The key state entering the chunk, per key-state layer [B, S, C] (None: a fresh segment, zeros)."""
+
+    def commit_keys(self, key_last: list, write_rate_BT: torch.Tensor | None) -> None:
+        """Take the key state after the chunk (per key-state layer [B, S, C]) and the write rate of its
+        tokens (None: the model has none)."""
 
 
 @dataclass
@@ -86,17 +100,16 @@ class WholeSequence:
 
 
 class EventCache:
-    """One event's new tokens (positions start.., round `round_id`) against each layer's earlier keys and
-    values: a LayerCache, or the per-event chunks of one (the event loop's), pruned by the policy; a chunk
-    whose rows are all visible is used as it is, so attention concatenates kept ++ new once per layer
-    (one copy of the context, not two). Attention by `backend`; `outs[i]` = (kept chunks, k_new, v_new)
-    of layer i after the forward."""
+    """One event's new tokens against each layer's earlier keys and values, as the event loop selected
+    them: per layer a pair (kept LayerCache chunks, AttentionSpan) from ContextPolicy.select_chunks. Used
+    as given (no selection here: the event loop selects once per event, however often the event is
+    scored), attention concatenates kept ++ new once per layer. Attention by `backend`; `outs[i]` =
+    (kept chunks, k_new, v_new) of layer i after the forward."""
 
-    def __init__(self, caches: Sequence, start: int, round_id: int, policy: ContextPolicy, backend: str):
-        self.selected = [_select_chunks(policy, c if isinstance(c, (list, tuple)) else [c], start, round_id)
-                         for c in caches]
+    def __init__(self, selected: Sequence[tuple[Sequence[LayerCache], AttentionSpan]], backend: str):
+        self.selected = selected
         self.backend = backend
-        self.outs: list = [None] * len(caches)
+        self.outs: list = [None] * len(selected)
 
     def attend(self, layer_index: int):
         from ds_ttt.ops.flashbob import attention
@@ -109,22 +122,3 @@ class EventCache:
                              causal=True, window=span.window, q_offset=span.q_offset, k_offset=span.k_offset,
                              backend=self.backend)
         return attend
-
-
-def _select_chunks(policy: ContextPolicy, chunks: Sequence[LayerCache], start: int,
-                   round_id: int) -> tuple[list[LayerCache], AttentionSpan]:
-    """The policy's choice over the chunks' rows (host metadata): whole chunks where every row is kept,
-    the kept rows of the others, none of a chunk with no row kept."""
-    positions = torch.cat([c.positions_S for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
-    rounds = torch.cat([c.rounds_S for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long)
-    keep, span = policy.keep_rows(positions, rounds, start, round_id)
-    if keep is None:
-        return [c for c in chunks if len(c)], span
-    kept, i = [], 0
-    for c in chunks:
-        mask, i = keep[i:i + len(c)], i + len(c)
-        if len(c) and bool(mask.all()):
-            kept.append(c)
-        elif bool(mask.any()):
-            kept.append(c.take(mask))
-    return kept, span

@@ -25,14 +25,20 @@ The pipeline engine builds its stages from these same classes (ds_ttt/train/pipe
     model = TTTQwen3ForCausalLM(backbone_config("tiny"), TTTConfig())
     logits = model(input_ids)                                   # base model + W_0 (== Qwen3 at init)
     out = model.trajectory_loss(input_ids, kinds, rounds)     # inner loop, outer loss
+    logits = model.step(ids_BT, positions_BT, cache, fast_weights=W)   # serving: new tokens against a cache
+
+`step` is the one incremental entry: every serving path (a session's chunk, a batched decode step, a
+batched prefill; ds_ttt/serve/) builds a cache and calls it. The model holds its context policy once,
+in `ttt` (`model.policy` reads it; `set_context_policy` replaces it).
 
 Shape letters: B batch, T tokens, C hidden, H heads, D head dim, V vocab.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +50,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from ds_ttt.config import TTTConfig
 from ds_ttt.model.context import ContextPolicy
 from ds_ttt.model.fast_weights import FastWeights, KeyHistory, PrimeMLP
-from ds_ttt.model.forward import WholeSequence, forward_chunk
+from ds_ttt.model.forward import StepCache, WholeSequence, forward_chunk, uses_key_state
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -232,8 +238,19 @@ class TTTQwen3ForCausalLM(nn.Module):
             self.tie_weights()
         self.num_adaptive = ttt.num_adaptive(config.num_hidden_layers)
         self.first_adaptive = config.num_hidden_layers - self.num_adaptive
-        self.policy = ContextPolicy.from_ttt(ttt)
         self.reset_parameters()
+
+    # ---- context policy ----------------------------------------------------------------------
+    @property
+    def policy(self) -> ContextPolicy:
+        """The context policy, read from `ttt` (context_policy, window): the one place the model holds it."""
+        return ContextPolicy.from_ttt(self.ttt)
+
+    def set_context_policy(self, policy: ContextPolicy) -> None:
+        """Run under `policy` from now on (the result equals a model constructed with it)."""
+        ttt = dataclasses.replace(self.ttt, **policy.ttt_fields())
+        ttt.validate(self.config.num_hidden_layers)
+        self.ttt = ttt
 
     # ---- structure -------------------------------------------------------------------------
     @property
@@ -246,6 +263,16 @@ class TTTQwen3ForCausalLM(nn.Module):
 
     def initial_fast_weights(self) -> FastWeights:
         return tuple(w for layer in self.adaptive_layers for w in layer.prime_mlp.initial_weights())
+
+    @property
+    def has_key_state(self) -> bool:
+        """Does any layer's memory key carry a state across chunks (key shift, round address, write rate)?"""
+        return any(uses_key_state(layer) for layer in self.model.layers)
+
+    def empty_key_state(self) -> list[torch.Tensor]:
+        """The key state of a fresh segment for one row: zeros [1, S, C] per key-state layer."""
+        like = self.model.embed_tokens.weight  # the hidden states' dtype, device and width
+        return [layer.prime_mlp.empty_key_state(1, like) for layer in self.model.layers if uses_key_state(layer)]
 
     def tie_weights(self) -> None:
         """lm_head.weight := model.embed_tokens.weight (the same Parameter), as transformers ties them."""
@@ -266,6 +293,29 @@ class TTTQwen3ForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids_BT)
         h = self.run_layers(self.model.layers, h, rounds_BT)
         return self.lm_head(self.model.norm(h))
+
+    def step(self, ids_BT: torch.Tensor, positions_BT: torch.Tensor, cache: StepCache, *,
+             fast_weights: FastWeights | None = None, logits_at: Sequence[int] = (-1,)) -> torch.Tensor:
+        """New tokens through every layer against `cache` (ds_ttt/model/forward.py `StepCache`): the one
+        incremental entry of serving. ids_BT / positions_BT: the tokens and their absolute positions
+        (RoPE); fast_weights: flat (gate, up, down) per adaptive layer, one matrix for all rows or [B, F, D]
+        per row (None: W_0). The cache supplies attention and the key state before the chunk
+        (`key_prev`, asked only when a layer has one) and takes the state after it (`commit_keys`).
+        Returns fp32 (at least) logits at chunk indices `logits_at` of every row, row-major:
+        [B, V] for the default last token, [B * len(logits_at), V] otherwise ([0, V] for none)."""
+        h = self.model.embed_tokens(ids_BT)
+        pos_emb = self.model.rotary_emb(h, positions_BT)
+        key_prev = cache.key_prev() if self.has_key_state else None
+        out = forward_chunk(self.model.layers, h, pos_emb, cache, fast_weights=fast_weights, key_prev=key_prev)
+        cache.commit_keys(out.key_last, out.write_rate_BT)
+        h = out.hidden_BTC
+        t = h.shape[1]
+        if list(logits_at) in ([-1], [t - 1]):
+            rows = h[:, -1]
+        else:
+            rows = h[:, torch.tensor(list(logits_at), dtype=torch.long, device=h.device)].reshape(-1, h.shape[-1])
+        logits = self.lm_head(self.model.norm(rows))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def run_layers(self, layers, hidden_BTC, rounds_BT: torch.Tensor | None) -> torch.Tensor:
         """Whole-sequence pass through `layers` under the context policy (W_0 in adaptive layers)."""

@@ -74,7 +74,7 @@ def test_event_chunks_compose_to_the_whole_sequence(ttt):
     for r in range(3):
         idx = (rounds[0] == r).nonzero().squeeze(1)
         start, end = int(idx[0]), int(idx[-1]) + 1
-        cache = EventCache(caches, start, r, policy, "reference")
+        cache = EventCache([policy.select_chunks([c], start, r) for c in caches], "reference")
         out = forward_chunk(layers, h[:, start:end], (pos_emb[0][:, start:end], pos_emb[1][:, start:end]), cache,
                             fast_weights=fast, key_prev=None if policy.rounds_are_segments else key_prev)
         parts.append(out.hidden_BTC)
@@ -103,5 +103,41 @@ def test_event_cache_over_chunks_equals_one_merged_cache(policy):
     merged = LayerCache(torch.cat([c.k_1HSD for c in chunks], 2), torch.cat([c.v_1HSD for c in chunks], 2),
                         torch.arange(pos), torch.cat([c.rounds_S for c in chunks]))
     q, k, v = (torch.randn(1, 2, 3, 8, generator=gen, dtype=torch.float64) for _ in range(3))
-    outs = [EventCache([c], pos, 3, policy, "reference").attend(0)(q, k, v) for c in (chunks, merged)]
+    outs = [EventCache([policy.select_chunks(c, pos, 3)], "reference").attend(0)(q, k, v) for c in (chunks, [merged])]
     assert torch.equal(outs[0], outs[1])
+    if policy.attention_window:  # a chunk the window cuts is kept as a view of its rows, not a copy
+        kept, _ = policy.select_chunks(chunks[:2], 9, 2)  # window 5 from position 9: positions 5, 6 of chunk 1
+        assert len(kept) == 1 and kept[0].positions_S.tolist() == [5, 6]
+        assert kept[0].k_1HSD.untyped_storage().data_ptr() == chunks[1].k_1HSD.untyped_storage().data_ptr()
+        assert torch.equal(kept[0].k_1HSD, chunks[1].k_1HSD[:, :, 1:])
+
+
+@pytest.mark.parametrize("ttt", [
+    TTTConfig(context_policy="window", window=5, inner_steps=2),
+    TTTConfig(context_policy="current_round", inner_steps=2),
+], ids=["window", "current_round"])
+@pytest.mark.parametrize("how", ["record", "checkpointed"])
+def test_the_event_loop_selects_each_event_once(ttt, how, monkeypatch):
+    """The event loop selects the rows an event sees once per event and layer (ContextPolicy.select_chunks)
+    and hands EventCache the pairs: scoring an event again (a second inner step, the record's rescoring,
+    the checkpointed backward's recompute) selects nothing again (each scoring pass re-selected before)."""
+    cfg = tiny_qwen3_config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, vocab_size=64)
+    torch.manual_seed(0)
+    ttt = TTTConfig(**{**{f: getattr(ttt, f) for f in ("context_policy", "window", "inner_steps")},
+                       "checkpoint_events": how == "checkpointed", "adaptive_layers": 1})
+    model = TTTQwen3ForCausalLM(cfg, ttt.validate(2)).double()
+    calls = []
+    select = ContextPolicy.keep_rows
+    monkeypatch.setattr(ContextPolicy, "keep_rows", lambda self, *a: calls.append(a[2:]) or select(self, *a))
+    ids = torch.randint(0, 64, (1, 12))
+    kinds = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2, 0, 1, 2, 2]])  # context, action, observation
+    rounds = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]])
+    if how == "record":
+        with torch.no_grad():
+            out = model.trajectory_loss(ids, kinds, rounds, create_graph=False, record=True)
+    else:
+        out = model.trajectory_loss(ids, kinds, rounds, create_graph=True)
+        out.loss.backward()
+    assert out.num_update_attempts == 2  # rounds 1 and 2 update (twice each: inner_steps=2)
+    assert sorted(calls) == sorted((start, r) for start, r in ((0, 0), (4, 1), (8, 2)) for _ in model.adaptive_layers)

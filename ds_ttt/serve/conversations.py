@@ -11,11 +11,7 @@ Finding the session of a request (only among the conversations of the request's 
   * a named conversation whose history is not a prefix of the request (the client edited or
     regenerated a turn) is left unchanged, and the request starts a new conversation, as does a
     request that matches none.
-A message matches the stored one by role and content; an assistant message by its content and its
-tool calls (name, arguments as JSON), and by reasoning_content when the client sends it (clients
-usually drop it; the session keeps the tokens it really generated). Tool-call ids are not compared.
-Whatever the server replied matches itself when sent back verbatim (a reply cut inside a tool call
-included: its content holds the `<tool_call>` markup).
+When a message matches a stored one is conversation_match.py's rule.
 
 Advancing a session: the request's messages after the matched prefix are fed as the session would
 have seen them: each run of tool results / user turns after an assistant turn is one observation
@@ -56,6 +52,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ds_ttt.serve.conversation_match import matched_prefix
 from ds_ttt.serve.openai_api import APIError, ChatRequest, bad
 from ds_ttt.serve.prefix_cache import PrefixCache
 from ds_ttt.serve.scheduler import Cancelled, DirectEngine
@@ -94,46 +91,13 @@ class ChatResult:
         return sum(c["completion_tokens"] for c in self.choices)
 
 
-def _args_key(arguments) -> str:
-    try:
-        return json.dumps(json.loads(arguments) if isinstance(arguments, str) else arguments, sort_keys=True)
-    except ValueError:
-        return str(arguments)
-
-
-def same_message(stored: dict, sent: dict) -> bool:
-    """Does the client's message `sent` stand for the session's message `stored`? (module docstring)"""
-    if stored["role"] != sent["role"]:
-        return False
-    if stored["role"] != "assistant":
-        return (stored.get("content") or "") == (sent.get("content") or "")
-    calls = [(c["function"]["name"], _args_key(c["function"]["arguments"])) for c in stored.get("tool_calls") or []]
-    sent_calls = [(c["function"]["name"], _args_key(c["function"]["arguments"])) for c in sent.get("tool_calls") or []]
-    if (stored.get("content") or "").strip() != (sent.get("content") or "").strip() or calls != sent_calls:
-        return False
-    return sent.get("reasoning_content") is None or \
-        (sent["reasoning_content"] or "").strip("\n") == (stored.get("reasoning_content") or "").strip("\n")
-
-
-def _tools_key(tools) -> str:
-    return json.dumps(tools or None, sort_keys=True)
-
-
-def matched_prefix(session: AgentSession, messages: list[dict], tools) -> int:
-    """len(session.messages) when they are a prefix of `messages` (and the tools agree), else -1."""
-    mine = session.messages
-    if _tools_key(session.tools) != _tools_key(tools) or len(mine) > len(messages):
-        return -1
-    return len(mine) if all(same_message(a, b) for a, b in zip(mine, messages)) else -1
-
-
 def session_bytes(session: AgentSession) -> int:
     """What a stored session holds: its KV cache buffers (at their capacity) and the fast weights it owns
     (a matrix still in W_0's shared storage, AgentModel.initial_weights, is counted once, by the store)."""
-    s = session._state()
+    cache = session.kv_cache
     shared = {w.data_ptr() for w in session.agent.initial_weights()}
-    own = sum(w.nbytes for w in s.weights if w.data_ptr() not in shared)
-    return sum(t.nbytes for t in s.cache.k) + sum(t.nbytes for t in s.cache.v) + own
+    own = sum(w.nbytes for w in session.fast_weights if w.data_ptr() not in shared)
+    return sum(t.nbytes for t in cache.k) + sum(t.nbytes for t in cache.v) + own
 
 
 class ConversationStore:

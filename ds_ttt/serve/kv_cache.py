@@ -16,10 +16,12 @@ which slots a query may see, so the context policy needs no gather:
 
 The memory key's state (ds_ttt/model/fast_weights.py: the token shift's last S prime-MLP inputs,
 ttt.key_shift, and the round address's running pool, ttt.round_address) is needed before each chunk
-of every adaptive layer. The cache keeps two such states (not one per slot):
-the one ending at the last written slot (`key_tail`, continued by every decode step) and the one at
-the start of the open round (`key_round`: `observe` re-runs the round from there). A chunk at slot 0,
-or at round 0's end under current_round (a new round), starts from zeros.
+of every adaptive layer, and the cache owns it. It keeps two such states (not one per slot): the one
+ending at the last written slot (`key_tail`, continued by every decode step) and the one at the start
+of the open round (`key_round`: `observe` re-runs the round from there). `key_prev(slot, policy,
+prompt_slots)` is the state entering a chunk at `slot` (None, zeros, where the policy starts a
+segment: slot 0, or round 0's end under current_round); `commit_keys(end, state)` stores the state
+after a chunk ending at slot `end`.
 
 Either way the visible keys are one contiguous slice, and FlashBoB's causal (and window) mask over
 "cached slots ++ new slots" with compressed offsets (q_offset = slot - lo, k_offset = 0) equals the
@@ -50,10 +52,9 @@ class KVCache:
         self.pool, self.row = None, -1  # the KVPool and row it is a handle onto (None: private buffers)
         self._capacity = k_L1HSD[0].shape[2]
         self.used = 0  # slots 0..used-1 may hold something (what moving between pool and buffers copies)
-        # key-shift histories: (slot they end at, [1, S, C] per key-shift layer); see the module docstring
+        # key states: (slot they end at, [1, S, C] per key-state layer); see the module docstring
         self.key_tail: tuple[int, list[torch.Tensor]] | None = None
         self.key_round: tuple[int, list[torch.Tensor]] | None = None
-        self.key_pending: tuple[int, list[torch.Tensor]] | None = None  # from a keep_graph run, not yet committed
 
     @property
     def k(self) -> list[torch.Tensor]:
@@ -91,13 +92,23 @@ class KVCache:
         if getattr(self, "pool", None) is not None:  # dropped while pooled (a failed reply): free the row
             self.pool.free(self.row)
 
-    def key_history_at(self, slot: int) -> list[torch.Tensor]:
-        """The key-shift history ending right before `slot` (the open round's start or the last write)."""
+    def key_prev(self, slot: int, policy, prompt_slots: int | None) -> list[torch.Tensor] | None:
+        """The key state entering a chunk at `slot` under `policy` (ds_ttt/model/context.py): None (zeros)
+        where a segment starts there (`policy.segment_starts_at`; prompt_slots: round 0's slots, None while
+        round 0 is laid out), else the stored state ending right before it (the open round's start or the
+        last write)."""
+        if policy.segment_starts_at(slot, prompt_slots):
+            return None
         for entry in (self.key_tail, self.key_round):
             if entry is not None and entry[0] == slot:
                 return entry[1]
-        raise AssertionError(f"KVCache: no key-shift history ends at slot {slot} "
+        raise AssertionError(f"KVCache: no key state ends at slot {slot} "
                              f"(tail at {self.key_tail and self.key_tail[0]}, round at {self.key_round and self.key_round[0]})")
+
+    def commit_keys(self, end: int, state: list[torch.Tensor]) -> None:
+        """The key state after a chunk whose last slot is end - 1 (per key-state layer [1, S, C]; never
+        written in place afterwards, so forks and the prefix cache share it)."""
+        self.key_tail = (end, state)
 
     def start_round(self) -> None:
         """The history at the last written slot becomes the open round's start (after reset / observe)."""

@@ -24,6 +24,9 @@ Rounding: the padded batch reduces in another order than a session alone (longer
 attention kernel, a larger matrix product), so caches and logits equal the one-at-a-time prefill to
 a few ulps of the model's dtype, not bit for bit (tests/unit/test_serve_prefill.py bounds it).
 
+The forward is the model's one incremental entry, `model.step` (ds_ttt/model/qwen3.py), over a
+PooledChunk (pooled_chunk.py), with no logits taken.
+
 Shape letters: B rows (sessions), H heads, T tokens (the longest rest), S slots, C hidden.
 """
 
@@ -31,9 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from ds_ttt.model.forward import forward_chunk
-from ds_ttt.serve.batch import PooledChunk, has_key_state, row_key_states, stacked_key_state
 from ds_ttt.serve.kv_pool import KVPool
+from ds_ttt.serve.pooled_chunk import PooledChunk, RowKeys
 
 
 def batched_prefill(agent, r0s: list, pool: KVPool) -> None:
@@ -42,7 +44,7 @@ def batched_prefill(agent, r0s: list, pool: KVPool) -> None:
     if not todo:
         return
     m = agent.model
-    if has_key_state(m.model.layers):
+    if m.has_key_state:
         groups: dict[int, list] = {}
         for r0 in todo:
             groups.setdefault(len(r0.rest), []).append(r0)
@@ -60,6 +62,7 @@ def batched_prefill(agent, r0s: list, pool: KVPool) -> None:
 
 def _prefill(agent, r0s: list, pool: KVPool) -> None:
     m, dev = agent.model, agent.device
+    policy = m.policy
     weights = r0s[0].weights
     if any(r0.weights is not weights for r0 in r0s):
         raise ValueError("batched_prefill: every row must start from the same W_0 (AgentModel.initial_weights)")
@@ -83,7 +86,7 @@ def _prefill(agent, r0s: list, pool: KVPool) -> None:
     lo = torch.zeros(span, t_max, dtype=torch.long)
     hi = torch.zeros(span, t_max, dtype=torch.long)
     for r, s0, t in zip(rows_list, starts, lengths):
-        lo[r, :t] = torch.tensor([m.policy.visible_from(s0 + j) for j in range(t)])
+        lo[r, :t] = torch.tensor([policy.visible_from(s0 + j) for j in range(t)])
         hi[r, :t] = torch.arange(s0, s0 + t)
     mask = KVPool.additive(KVPool.slices_mask(lo, hi, length).to(dev), pool.k[0].dtype)
     rows = None if rows_list == list(range(span)) else torch.tensor(rows_list, device=dev)
@@ -92,15 +95,7 @@ def _prefill(agent, r0s: list, pool: KVPool) -> None:
     tok_t = torch.cat([torch.arange(t) for t in lengths]).to(dev)
     tok_row = torch.tensor(rows_list, device=dev)[tok_b]
     tok_slot = torch.cat([torch.arange(s0, s0 + t) for s0, t in zip(starts, lengths)]).to(dev)
-    ids, positions = ids.to(dev), positions.to(dev)
-    h = m.model.embed_tokens(ids)  # [B, T, C]
-    pos_emb = m.model.rotary_emb(h, positions)
-    key_state = has_key_state(m.model.layers)
-    prev_rows = [None if m.policy.segment_starts_at(r0.block, None) else r0.cache.key_history_at(r0.block)
-                 for r0 in r0s] if key_state else []
-    key_prev = stacked_key_state(m.model.layers, prev_rows, h)  # rows of one length only (batched_prefill): no padding
-    chunk = PooledChunk(pool, tok_b, tok_t, tok_row, tok_slot, rows, span, length, mask)
-    out = forward_chunk(m.model.layers, h, pos_emb, chunk, fast_weights=weights, key_prev=key_prev)
-    states = row_key_states(out.key_last, b) if key_state else [[] for _ in range(b)]
-    for r0, s0, t, state in zip(r0s, starts, lengths, states):
-        r0.cache.key_tail = (s0 + t, state)
+    keys = RowKeys([r0.cache for r0 in r0s], starts, [s0 + t for s0, t in zip(starts, lengths)], [None] * b,
+                   policy, m.empty_key_state())  # rows of one length only when they have a key state: no padding
+    chunk = PooledChunk(pool, tok_b, tok_t, tok_row, tok_slot, rows, span, length, mask, keys=keys)
+    m.step(ids.to(dev), positions.to(dev), chunk, fast_weights=weights, logits_at=[])

@@ -76,7 +76,7 @@ class PrefixCache:
         for layer, (k, v) in enumerate(zip(entry.k_1HBD, entry.v_1HBD)):
             kv.write(layer, 0, k, v)
         if entry.key_tail is not None:
-            kv.key_tail = (n, entry.key_tail)  # never written in place: shared as the cache's own are
+            kv.commit_keys(n, entry.key_tail)  # never written in place: shared as the cache's own are
         return n
 
     def store(self, block_ids: list[int], kv: KVCache, *, salt: str | None = None) -> None:

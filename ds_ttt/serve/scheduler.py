@@ -10,7 +10,7 @@ ConversationStore (conversations.py) hands the engine three kinds of work for a 
     prefill of its task);
   * chunks: an observation with its inner step, a forced assistant turn. Each is one call on the
     session, exact and per session, as AgentSession runs it;
-  * decodes (`session.Decode`): a reply generated one token at a time.
+  * decodes (`decode.Decode`): a reply generated one token at a time.
 The BatchScheduler's loop, on one thread that owns the model:
     1. prefills every new session waiting (up to max_batch): each one's system block per session
        (prefix cache, or alone), then the rests of their round 0 in ONE padded forward
@@ -23,7 +23,7 @@ The BatchScheduler's loop, on one thread that owns the model:
        weights applied to its own row, attention in one call per layer over the scheduler's KV pool
        (ds_ttt/serve/kv_pool.py: each active reply's cache is a row of it until its turn closes);
 then each reply chooses its token from its row (its own RNG, options, stop strings: `Decode.step`;
-the rows' logsumexp and argmax come from one batched reduction, `session.row_stats`).
+the rows' logsumexp and argmax come from one batched reduction, `decode.row_stats`).
 A reply whose `cancel` event is set (the client went away) is dropped between steps and its request
 gets `Cancelled`; nothing it did is committed (the request works on a fork).
 DirectEngine is today's path (every request's thread runs the model itself, one token per forward);
@@ -101,7 +101,7 @@ class BatchScheduler:
         from ds_ttt.serve.batch import WeightStacks, batched_decode_logits
         from ds_ttt.serve.kv_pool import KVPool
         from ds_ttt.serve.prefill import batched_prefill
-        from ds_ttt.serve.session import row_stats
+        from ds_ttt.serve.decode import row_stats
 
         self.agent, self.max_batch = agent, max_batch
         self._forward = batched_decode_logits
@@ -176,7 +176,7 @@ class BatchScheduler:
         if not group.future.done():
             group.future.set_exception(e)
         for d in group.decodes:  # a dropped reply gives its pool row back
-            d.s.cache.leave_pool()
+            d.state.cache.leave_pool()
         self._active = [a for a in self._active if a[0] is not group]
 
     def _finish_row(self, group: _Group, d) -> None:

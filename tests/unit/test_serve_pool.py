@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from ds_ttt.model.context import ContextPolicy
 from ds_ttt.serve import AgentModel, AgentSession
-from ds_ttt.serve.batch import batched_decode_logits, pooled_attention
+from ds_ttt.serve.batch import batched_decode_logits
+from ds_ttt.serve.pooled_chunk import pooled_attention
 from ds_ttt.serve.kv_cache import KVCache
 from ds_ttt.serve.kv_pool import KVPool
 from ds_ttt.serve.scheduler import BatchScheduler

@@ -23,6 +23,7 @@ from ds_ttt.serve import AgentModel, AgentSession
 from ds_ttt.serve.kv_pool import KVPool
 from ds_ttt.serve.prefill import batched_prefill
 from ds_ttt.serve.prefix_cache import PrefixCache
+from ds_ttt.serve.round0 import render_round0
 from ds_ttt.serve.scheduler import BatchScheduler
 from tests.unit.test_serve import make_model, tok  # noqa: F401 - the tokenizer fixture
 
@@ -95,10 +96,11 @@ def test_batched_prefill_equals_one_at_a_time(tok, policy, ttt, monkeypatch):
 def test_scheduler_prefills_waiting_sessions_together(tok):
     agent = AgentModel(make_model(context_policy="current_round"), tok)
     scheduler = BatchScheduler(agent, max_batch=8)
-    gate = threading.Event()
+    entered, gate = threading.Event(), threading.Event()
     try:
-        blocker = threading.Thread(target=scheduler.run, args=(gate.wait,))
+        blocker = threading.Thread(target=scheduler.run, args=(lambda: entered.set() or gate.wait(),))
         blocker.start()  # the scheduler waits inside this chunk while the resets queue up
+        entered.wait(60)  # (a reset queued before the scheduler took the chunk would be run with it, alone)
         mine = [AgentSession(agent, max_new_tokens=8) for _ in range(4)]
         results = [None] * 4
         threads = [threading.Thread(target=lambda i=i: results.__setitem__(
@@ -137,12 +139,9 @@ def test_a_second_reset_does_not_read_the_previous_episode(tok):
     first = AgentSession(agent)
     first.reset_messages(messages(0, True))
     target = first._state().prompt_slots
-    probe = AgentSession(agent)
     system, words = SYSTEM, 0
     while True:  # lengthen the system prompt until its block is exactly the first episode's round 0
-        block = probe._system_block_length([{"role": "system", "content": system}, {"role": "user", "content": "x"}],
-                                           None, probe.begin_reset([{"role": "system", "content": system},
-                                                                    {"role": "user", "content": "x"}]).ids)
+        block = render_round0([{"role": "system", "content": system}, {"role": "user", "content": "x"}], None, tok).block
         if block >= target:
             break
         words += 1

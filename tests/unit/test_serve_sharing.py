@@ -21,6 +21,8 @@ from ds_ttt.serve.batch import WeightStacks, batched_decode_logits, storage_key
 from ds_ttt.serve.conversations import ConversationStore, session_bytes
 from ds_ttt.serve.openai_api import parse_chat_request
 from ds_ttt.serve.prefix_cache import PrefixCache
+from ds_ttt.serve.round0 import render_round0
+from ds_ttt.serve.session_chunk import run_chunk
 from tests.unit.serve_cases import SYSTEM, TASKS, TOOLS, TTT, build_trimmed_export
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -94,7 +96,8 @@ def test_system_prompt_cache_hit_is_bitwise_a_miss(agent):
     assert miss.reset(TASKS[1], system=SYSTEM, tools=TOOLS)["cached_tokens"] == 0
     hit = AgentSession(agent, max_new_tokens=16, prefix_cache=cache)
     got = hit.reset(TASKS[1], system=SYSTEM, tools=TOOLS)
-    block = hit._system_block_length([{"role": "system", "content": SYSTEM}], TOOLS, hit.input_ids)
+    block = render_round0([{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASKS[1]}], TOOLS,
+                          agent.tokenizer).block
     assert 0 < block < len(hit.input_ids) and got["cached_tokens"] == block and cache.hits == 1
     plain = new_session(agent, TASKS[1])  # no cache at all
     n = len(plain.input_ids)
@@ -116,7 +119,7 @@ def test_split_prefill_equals_one_whole_prefill(agent):
     ids, n = s.input_ids, len(s.input_ids)
     kv = type(s._state().cache).for_model(agent.model, capacity=n, max_capacity=n)
     with torch.inference_mode():
-        s._forward(ids, 0, 0, kv, agent.initial_weights(), want=[])
+        run_chunk(agent.model, ids, 0, 0, kv, agent.initial_weights(), [])
     for x, y in zip(s._state().cache.k + s._state().cache.v, kv.k + kv.v):
         torch.testing.assert_close(x[:, :, :n], y, rtol=1e-5, atol=1e-5)
 
@@ -156,7 +159,7 @@ def test_server_reports_prompt_cache_hits_per_key(agent):
 def test_row_stats_equal_the_per_row_values():
     """The batched scheduler chooses greedy tokens from row_stats: the same argmax, logsumexp and NLL, bit
     for bit, as Decode.step computes from one row (ties included: the first maximum)."""
-    from ds_ttt.serve.session import row_stats
+    from ds_ttt.serve.decode import row_stats
 
     torch.manual_seed(0)
     logits = torch.randn(6, 1216)

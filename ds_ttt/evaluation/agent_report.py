@@ -31,6 +31,7 @@ import pathlib
 import numpy as np
 
 from ds_ttt.evaluation.intervals import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, wilson_interval
+from ds_ttt.evaluation.plots import interval_bars, mode_color, pyplot, save_figure, write_report_files
 
 REPORT_FORMAT = "ds_ttt-agent-tasks-v1"
 SCORED_FORMAT = "ds_ttt-agent-tasks-model-v1"
@@ -276,24 +277,14 @@ def pooled_markdown(report: dict) -> list[str]:
 
 
 def write_plot(report: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = report["rows"]
     families = sorted({f for r in rows for f in r["per_family"]})
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [1, 2]})
     many_seeds = len({r.get("seed") for r in rows}) > 1
     labels = [f"{r['model']}\n{r['mode']}" + (f" seed {r.get('seed')}" if many_seeds else "") for r in rows]
-    colors = ["#bbbbbb" if r["mode"] == "frozen" else ("#1f77b4" if r["mode"] == "ttt" else "#ff7f0e") for r in rows]
-    vals = [r["success"] or 0.0 for r in rows]
-    err = [[max(0.0, v - (r["success_lo"] or 0)) for v, r in zip(vals, rows)],
-           [max(0.0, (r["success_hi"] or 0) - v) for v, r in zip(vals, rows)]]
-    axes[0].bar(range(len(rows)), vals, yerr=err, color=colors, capsize=3)
-    axes[0].set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
-    axes[0].set_ylim(0, 1)
-    axes[0].set_title("task success (95% Wilson)", fontsize=10)
+    colors = [mode_color(r["mode"]) for r in rows]
+    interval_bars(axes[0], rows, "success", labels, colors, title="task success (95% Wilson)", unit_range=True)
     width = 0.8 / max(len(rows), 1)
     for i, r in enumerate(rows):
         xs = [j + i * width for j in range(len(families))]
@@ -303,20 +294,12 @@ def write_plot(report: dict, path) -> None:
     axes[1].set_ylim(0, 1)
     axes[1].set_title("success per family", fontsize=10)
     axes[1].legend(fontsize=6, ncol=2)
-    fig.suptitle("Closed-loop held-out tasks (grey = TTT with updates off, blue = TTT, orange = SFT)", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title="Closed-loop held-out tasks (grey = TTT with updates off, blue = TTT, orange = SFT)")
 
 
 def write_report(report: dict, out_prefix) -> dict[str, str]:
-    out = pathlib.Path(out_prefix)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    paths = {k: str(out.with_suffix(f".{k}")) for k in ("json", "md", "png")}
-    pathlib.Path(paths["json"]).write_text(json.dumps(report, indent=1) + "\n")
-    pathlib.Path(paths["md"]).write_text(markdown(report))
-    write_plot(report, paths["png"])
-    return paths
+    """PREFIX.json, .md and .png."""
+    return write_report_files(report, out_prefix, markdown=markdown, write_plot=write_plot)
 
 
 EPISODE_LOG_FIELDS = ("task", "kind", "attempt", "success", "stop", "rounds", "updates", "actions", "test_log")

@@ -42,6 +42,7 @@ import numpy as np
 
 from ds_ttt.evaluation.intervals import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_ratio_interval, wilson_interval
 from ds_ttt.evaluation.memory import MEMORY_SPLITS
+from ds_ttt.evaluation.plots import interval_bars, mode_color, pyplot, save_figure, write_report_files
 from ds_ttt.model.context import ContextPolicy, PolicyKind
 
 # generator seeds of the fresh episodes (the training corpus uses small seeds: 0, 1, ...)
@@ -451,38 +452,18 @@ def memory_diagnostics_markdown(rows: list[dict]) -> list[str]:
 
 
 def write_plot(report: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = report["rows"]
+    plt = pyplot()
     labels = [f"{r['model']}\n{r['mode']}" for r in rows]
+    colors = [mode_color(r["mode"], frozen=r["ablation"]) for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, key, title, pct in ((axes[0], "worlds_128", "memory worlds passed (128)", True),
                                 (axes[1], "memory_action_em", "memory-check action EM", True),
                                 (axes[2], "recovery_nll", "recovery action NLL (lower is better)", False)):
-        vals = [r[key] or 0.0 for r in rows]
-        # (a percentile interval may sit slightly off its point estimate: clamp the bars at zero length)
-        err = [[max(0.0, (r[key] or 0) - (r[f"{key}_lo"] or 0)) for r in rows],
-               [max(0.0, (r[f"{key}_hi"] or 0) - (r[key] or 0)) for r in rows]]
-        colors = ["#bbbbbb" if r["ablation"] else ("#1f77b4" if r["mode"] == "ttt" else "#ff7f0e") for r in rows]
-        ax.bar(range(len(rows)), vals, yerr=err, color=colors, capsize=3)
-        ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
-        ax.set_title(title, fontsize=10)
-        if pct:
-            ax.set_ylim(0, 1)
-    fig.suptitle("TTT vs SFT baselines (95% intervals; grey = ablation with updates off)", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        interval_bars(ax, rows, key, labels, colors, title=title, unit_range=pct)
+    save_figure(fig, path, title="TTT vs SFT baselines (95% intervals; grey = ablation with updates off)")
 
 
 def write_report(report: dict, out_prefix) -> dict[str, str]:
-    out = pathlib.Path(out_prefix)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    paths = {"json": str(out.with_suffix(".json")), "md": str(out.with_suffix(".md")), "png": str(out.with_suffix(".png"))}
-    pathlib.Path(paths["json"]).write_text(json.dumps(report, indent=1) + "\n")
-    pathlib.Path(paths["md"]).write_text(markdown(report))
-    write_plot(report, paths["png"])
-    return paths
+    """PREFIX.json, .md and .png."""
+    return write_report_files(report, out_prefix, markdown=markdown, write_plot=write_plot)

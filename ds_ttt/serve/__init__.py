@@ -1,11 +1,17 @@
 """Serving a TTT agent: the engine (sessions, batched decode, caches), the episode loop, and its front ends.
 
-The engine:
-  session.py       AgentModel (frozen weights + tokenizer, shared) and AgentSession (per-episode W + KV cache)
-  kv_cache.py      the session's preallocated key/value cache (decoding writes in place)
+The engine (every path builds a cache and calls the model's one incremental entry, model.step):
+  session.py       AgentSession (per-episode W + KV cache: reset, reply, observe, fork)
+  agent_model.py   AgentModel (frozen weights + tokenizer, shared; its decode pool)
+  session_state.py the episode's state, RoundLog and the session errors
+  round0.py        round 0 (system block + the rest) rendered once at reset
+  decode.py        Decode (one reply token by token), DecodeOptions, token choice and per-row stats
+  session_chunk.py one session's chunk through model.step; pooled_chunk.py many sessions' rows in one
+  batch.py, prefill.py  batched decode and batched prefill over the KV pool (kv_pool.py, prefix_cache.py)
+  kv_cache.py      the session's preallocated key/value cache, owning its key state (key_prev, commit_keys)
   scheduler.py     BatchScheduler: many sessions' replies decoded in one forward (DirectEngine: one alone)
-  conversations.py the HTTP server's sessions: lookup by session_id or message prefix, fork-and-commit,
-                   per-session locks, LRU eviction
+  conversations.py the HTTP server's sessions: lookup by session_id or message prefix (conversation_match.py),
+                   fork-and-commit, per-session locks, LRU eviction
   service.py       the JSONL protocol over named sessions
   openai_api.py    the OpenAI wire format (request validation, replies, SSE chunks, error objects)
 The episode:

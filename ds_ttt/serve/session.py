@@ -63,6 +63,19 @@ from ds_ttt.serve.session_state import ContextFullError, RoundLog, SessionError,
 __all__ = ["AgentModel", "AgentSession", "ContextFullError", "DecodeOptions", "RoundLog", "SessionError"]
 
 
+class _EpisodeField:
+    """A read-only AgentSession attribute that reads one field of its current episode's SessionState."""
+
+    def __init__(self, field: str, doc: str, *, copy: bool = False):
+        self.field, self.copy, self.__doc__ = field, copy, doc
+
+    def __get__(self, session, owner=None):
+        if session is None:
+            return self
+        value = getattr(session._state(), self.field)
+        return list(value) if self.copy else value
+
+
 class AgentSession:
     def __init__(self, model: "str | pathlib.Path | AgentModel", *, device: str = "cpu", max_new_tokens: int = 1024,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, track_after: bool = False,
@@ -99,56 +112,19 @@ class AgentSession:
     def tokenizer(self):
         return self.agent.tokenizer
 
-    @property
-    def round(self) -> int:
-        return self._state().round
-
-    @property
-    def input_ids(self) -> list[int]:
-        return list(self._state().ids)
-
-    @property
-    def kinds(self) -> list[int]:
-        return list(self._state().kinds)
-
-    @property
-    def rounds(self) -> list[int]:
-        return list(self._state().rounds)
-
-    @property
-    def history(self) -> list[RoundLog]:
-        return self._state().history
-
-    @property
-    def messages(self) -> list[dict]:
-        return self._state().messages
-
-    @property
-    def fast_weights(self) -> tuple:
-        return self._state().weights
-
-    @property
-    def tools(self) -> list | None:
-        return self._state().tools
-
-    @property
-    def phase(self) -> str:
-        return self._state().phase
-
-    @property
-    def num_updates(self) -> int:
-        """Inner updates taken so far (one per observed round with observation tokens)."""
-        return self._state().num_updates
-
-    @property
-    def num_skipped(self) -> int:
-        """Inner updates skipped for a non-finite gradient."""
-        return self._state().num_skipped
-
-    @property
-    def kv_cache(self) -> KVCache:
-        """The episode's key/value cache (read it; the session writes it)."""
-        return self._state().cache
+    # the current episode's state, read-only (SessionError before reset); lists are copies
+    round = _EpisodeField("round", "the current round (SessionState.round)")
+    input_ids = _EpisodeField("ids", "every token id of the episode so far", copy=True)
+    kinds = _EpisodeField("kinds", "each token's TokenKind", copy=True)
+    rounds = _EpisodeField("rounds", "each token's round", copy=True)
+    history = _EpisodeField("history", "one RoundLog per finished round")
+    messages = _EpisodeField("messages", "the chat so far, in Qwen3's message format")
+    fast_weights = _EpisodeField("weights", "the episode's fast weights W (W_0 until the first update)")
+    tools = _EpisodeField("tools", "the tool schemas the episode was reset with (None: the default bash tool)")
+    phase = _EpisodeField("phase", 'what the session expects next: "act", or "acted" (observe or act)')
+    num_updates = _EpisodeField("num_updates", "inner updates taken so far (one per observed round with observation tokens)")
+    num_skipped = _EpisodeField("num_skipped", "inner updates skipped for a non-finite gradient")
+    kv_cache = _EpisodeField("cache", "the episode's key/value cache (read it; the session writes it)")
 
     def _state(self) -> SessionState:
         if self._s is None:

@@ -96,7 +96,8 @@ def test_baselines_smoke_writes_every_row_with_intervals(tmp_path):
     assert logs == sorted(f"{r['model']}.{r['mode']}.jsonl" for r in tasks["rows"])
     lines = [json.loads(x) for x in (work / "episodes" / "seed0" / "ttt_current.ttt.jsonl").read_text().splitlines()]
     assert len(lines) == tasks["suite"]["num_tasks"] and [e["task"] for e in lines] == sorted(e["task"] for e in lines)
-    assert all(isinstance(e["actions"], list) for e in lines) and any(e["actions"] for e in lines)
+    scored = json.loads((seed0 / "ttt_current.tasks.json").read_text())["modes"]["ttt"]["episodes"]
+    assert {e["task"]: e["actions"] for e in lines} == {e["task"]: e["actions"] for e in scored}  # (smoke models: often none)
 
     # the same command again, as after the main job (MAIN: its data, sets, suite and model, the seed read from
     # its run config): everything is there, so every step is skipped and only the reports are rebuilt

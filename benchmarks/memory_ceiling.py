@@ -28,7 +28,8 @@ p-1-S .. p-1. Like the model's shift, the window stops at the start of the round
 `current_round` policy: no round's key sees an earlier round). Here "window n" means the n tokens
 before p, so today's key (S = 3 in ds_configs/run_cpu_tiny.json) is window S+1 = 4. An ideal memory
 sees token identities only: the real key is a hidden state after attention, which could carry more
-(the command), so this is the ceiling of the key as designed, not of what a model could learn.
+(the command), so this is the ceiling of the key as designed, not of what a model could learn
+(memory_ceiling_context.py runs this memory with a real model's hidden states as keys).
 
 Key designs:
   - today: the S+1 tokens before p (S from the main job's config);
@@ -135,6 +136,16 @@ def render_pool(worlds: list[dict], tokenizer) -> list[dict]:
     return out
 
 
+def scored_pools(tokenizer, heldout: int, train_pool: int) -> dict[str, list[dict]]:
+    """The two scored pools, rendered: the held-out worlds and the training-pool worlds on the test seeds."""
+    from ds_ttt.data.generator import generate_memory_world
+    from ds_ttt.evaluation.memory import MEMORY_SEED_BASE
+
+    return {"heldout": render_pool([generate_memory_world(MEMORY_SEED_BASE + i) for i in range(heldout)], tokenizer),
+            "train_pool": render_pool([generate_memory_world(MEMORY_SEED_BASE + i, pool="train")
+                                       for i in range(train_pool)], tokenizer)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heldout", type=int, default=128)
@@ -163,9 +174,7 @@ def main() -> None:
     gate = choose_gate(dev, key_shift + 1, df, args.gate_grid)
     print("gate grid (dev):", [(r["threshold"], r["read"], r["write_rule"], f"{r['passed']}/{r['worlds']}")
                                 for r in gate["grid"]], "chosen:", gate["chosen"], flush=True)
-    pools = {"heldout": render_pool([generate_memory_world(MEMORY_SEED_BASE + i) for i in range(args.heldout)], tok),
-             "train_pool": render_pool([generate_memory_world(MEMORY_SEED_BASE + i, pool="train")
-                                        for i in range(args.train_pool)], tok)}
+    pools = scored_pools(tok, args.heldout, args.train_pool)
     rows = []
     for name, desc, key_fn, read in designs(key_shift, args.windows, tool_call_id,
                                             {"df": df, "threshold": gate["chosen"]}):

@@ -93,7 +93,8 @@ def make_pool_key_fn(window: int, df: dict[int, float], threshold: float):
 
 def simulate_world(ids: list[int], kinds: list[int], rounds: list[int], readbacks: list[dict], key_fn,
                    first_positions: dict[int, int] | None = None, tags: dict | None = None,
-                   soft: bool = False, write_rule: str = "overwrite", nearest: bool = False) -> dict:
+                   soft: bool = False, write_rule: str = "overwrite", nearest: bool = False,
+                   make_memory=None) -> dict:
     """Ideal memory on one rendered world. readbacks: [{"round": r, ...}]; first_positions: round -> the
     position of the value's first token (for first-token accuracy); tags: round -> what the "name"
     address sees. With `soft` the key is (window, set of command tokens) and a read takes, among the
@@ -138,6 +139,9 @@ def simulate_world(ids: list[int], kinds: list[int], rounds: list[int], readback
             slot.pop(cmd, None)
             slot[cmd] = tok
 
+    if make_memory is not None:
+        store = make_memory(write_rule)
+        read, write = store.read, store.write
     common = None
     if soft:  # the tokens every command of the world shares (the tool-call wrapper) say nothing
         sets = [frozenset(key_of(ps[0])[1]) for ps in by_round.values()]
@@ -161,9 +165,9 @@ def simulate_world(ids: list[int], kinds: list[int], rounds: list[int], readback
 
 
 def score_pool(pool: list[dict], key_fn, soft: bool = False, write_rule: str = "overwrite",
-               nearest: bool = False) -> dict:
+               nearest: bool = False, make_memory=None) -> dict:
     worlds = [simulate_world(w["ids"], w["kinds"], w["rounds"], w["readbacks"], key_fn, w["firsts"], w["tags"], soft,
-                             write_rule, nearest)
+                             write_rule, nearest, make_memory)
               for w in pool]
     rbs = [x for s in worlds for x in s["readbacks"]]
     firsts = [x["first_token"] for x in rbs if x["first_token"] is not None]

@@ -51,6 +51,15 @@ Key designs:
     kept set has the largest Jaccard overlap with the read's; ties the latest write), since a softmax
     pool is soft. The threshold is chosen per read from --gate-grid on the dev worlds alone (the most
     dev worlds passed with overwrite), and only then scored on the held-out and training pools;
+  - novelty pool: a context-scored pool attention could compute, with no oracle on the round's type:
+    key = (today's window key, frozenset of the current round's command tokens, from `<tool_call>` on,
+    or of its action tokens, that occur in none of the compared rounds' tokens of the same scope),
+    compared with every earlier round of the world ("vs all earlier") or with the previous round only
+    ("vs previous"); plain, or intersected with the learned pool's rare tokens ("& rare", its own
+    threshold chosen per variant and read on the dev worlds as above). Read exactly or by the nearest
+    kept set, like the learned pool. A second readback (`sed -n 1p vault/maple.key`) keeps about its
+    name's sub-tokens only against the readback before it; against every earlier round its name is
+    never novel (the write used it);
   - window n, for n in --windows: the n tokens before p, within the round.
 
 Measured (benchmarks/results/memory_ceiling.md): with overwrite, today's key passes 0/128 held-out
@@ -64,7 +73,15 @@ pool (thresholds chosen on the dev worlds: 0.05 for the exact read, 0.2 for the 
 exactly passes 0/128 and 2/32 (a held-out readback's kept set never equals its write's: its verb is
 unseen on the dev worlds and kept); read by the nearest kept set 66/128 and 22/32, short of 95% on
 both pools: where a world's readbacks share rare tokens (json's `cut -d'"' -f4`, grep's and ini's
-one file), a readback's kept set is nearer the previous readback's than its own write's.
+one file), a readback's kept set is nearer the previous readback's than its own write's. The novelty
+pool read by the nearest set, novel against the previous round, passes 128/128 held-out and 31/32
+(command) or 32/32 (action) training-pool worlds, and 128/128 and 32/32 intersected with the rare
+tokens (threshold 0.2, chosen on the dev worlds, 64/64 there); the one command failure is a first
+readback whose write, the world's first round, keeps its whole command (nothing before it to compare),
+so a later write sharing only `/` overlaps it more. Novel against every earlier round it passes 0/128
+and 0/32 (8/32 with first-write and the rare gate): a readback's name is never novel, its write used
+it. Read exactly, no novelty design passes a held-out world (training pool: at most 2/32 with
+overwrite, 16/32 with first-write).
 
 Why today's key fails: the tokens right before a value, `<tool_response>\n`, are the same
 in every round, so every value of a world is written to and read from the same address; a world
@@ -95,10 +112,11 @@ import time
 from collections import Counter
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # its helper modules, beside it in benchmarks/
-from memory_ceiling_keys import (ACTION, OBSERVATION, choose_gate, designs, document_frequency,  # noqa: E402
-                                 gate_examples, round_actions, score_pool)
+from memory_ceiling_keys import (ACTION, OBSERVATION, choose_gate, choose_novelty, designs,  # noqa: E402
+                                 document_frequency, gate_examples, round_actions, score_pool)
 # tests/unit/test_memory_ceiling.py reaches these through this script
-from memory_ceiling_keys import make_key_fn, make_pool_key_fn, round_starts, simulate_world, window_key  # noqa: E402,F401
+from memory_ceiling_keys import (make_key_fn, make_novel_key_fn, make_pool_key_fn, novel_sets,  # noqa: E402,F401
+                                 round_starts, simulate_world, window_key)
 from memory_ceiling_report import notes, write_md  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -174,10 +192,12 @@ def main() -> None:
     gate = choose_gate(dev, key_shift + 1, df, args.gate_grid)
     print("gate grid (dev):", [(r["threshold"], r["read"], r["write_rule"], f"{r['passed']}/{r['worlds']}")
                                 for r in gate["grid"]], "chosen:", gate["chosen"], flush=True)
+    novelty = choose_novelty(dev, key_shift + 1, df, args.gate_grid, tool_call_id)
+    print("novelty & rare, chosen on dev:", {k: v["chosen"] for k, v in novelty.items()}, flush=True)
     pools = scored_pools(tok, args.heldout, args.train_pool)
     rows = []
     for name, desc, key_fn, read in designs(key_shift, args.windows, tool_call_id,
-                                            {"df": df, "threshold": gate["chosen"]}):
+                                            {"df": df, "threshold": gate["chosen"]}, novelty):
         for rule in ("overwrite", "first"):
             rows.append({"name": name, "key": desc, "write_rule": rule, "read": read,
                          **{p: score_pool(pools[p], key_fn, read == "soft", rule, read == "nearest") for p in pools}})
@@ -205,6 +225,7 @@ def main() -> None:
                     "examples": {p: {"seed": pools[p][0]["seed"], **{read: gate_examples(
                         pools[p][0], key_shift + 1, df, thr, tok) for read, thr in gate["chosen"].items()}}
                         for p in pools}},
+           "novelty_gate": novelty,
            "load_start": [round(x, 2) for x in load_start], "designs": rows}
     res["wall_s"] = round(time.time() - t0, 1)
     res["load_end"] = [round(x, 2) for x in os.getloadavg()]

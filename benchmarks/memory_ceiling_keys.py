@@ -91,6 +91,36 @@ def make_pool_key_fn(window: int, df: dict[int, float], threshold: float):
     return build
 
 
+def novel_sets(ids: list[int], kinds: list[int], rounds: list[int], from_token: int | None = None,
+               lookback: int | None = None) -> dict[int, frozenset]:
+    """Round id -> the set of the round's action tokens (from the first `from_token` on, when given, as
+    round_actions cuts them) that occur in none of the `lookback` rounds before it (None: every earlier
+    round), compared with those rounds' tokens of the same scope. Rounds without action tokens (the
+    prompt) are not compared against, and an earlier round counts whether it had action tokens or not."""
+    acts = round_actions(ids, kinds, rounds, from_token)
+    order = sorted(set(rounds))
+    out = {}
+    for i, r in enumerate(order):
+        earlier = order[:i] if lookback is None else order[max(i - lookback, 0):i]
+        seen = set().union(*(acts.get(e, ()) for e in earlier))
+        out[r] = frozenset(t for t in acts.get(r, ()) if t not in seen)
+    return out
+
+
+def make_novel_key_fn(window: int, from_token: int | None = None, lookback: int | None = None,
+                      df: dict[int, float] | None = None, threshold: float | None = None):
+    """The novelty-scored pool: a key function (ids, kinds, rounds, tags) -> (p -> key) with key = (the
+    window's key, frozenset of the tokens of p's round that novel_sets keeps), intersected, when `df` and
+    `threshold` are given, with the tokens whose document frequency is <= threshold (make_pool_key_fn's
+    gate: a token absent from `df` is kept)."""
+    def build(ids, kinds, rounds, tags=None):
+        novel = novel_sets(ids, kinds, rounds, from_token, lookback)
+        if df is not None:
+            novel = {r: frozenset(t for t in s if df.get(t, 0.0) <= threshold) for r, s in novel.items()}
+        return lambda p: (window_key(ids, rounds, p, window), novel.get(rounds[p], frozenset()))
+    return build
+
+
 def simulate_world(ids: list[int], kinds: list[int], rounds: list[int], readbacks: list[dict], key_fn,
                    first_positions: dict[int, int] | None = None, tags: dict | None = None,
                    soft: bool = False, write_rule: str = "overwrite", nearest: bool = False,
@@ -187,14 +217,22 @@ def score_pool(pool: list[dict], key_fn, soft: bool = False, write_rule: str = "
 
 
 LEARNED_POOL = "round address: learned pool (ideal)"
+NOVELTY_POOL = "novelty pool"
+# (label, scope, lookback, what the round is compared with): the novelty-scored pool's variants
+NOVELTY_VARIANTS = [("command vs all earlier", "command", None, "any earlier round"),
+                    ("command vs previous", "command", 1, "the previous round"),
+                    ("action vs all earlier", "action", None, "any earlier round"),
+                    ("action vs previous", "action", 1, "the previous round")]
 
 
 def designs(key_shift: int, windows: list[int], tool_call_id: int,
-            gate: dict | None = None) -> list[tuple[str, str, object, str]]:
+            gate: dict | None = None, novelty: dict | None = None) -> list[tuple[str, str, object, str]]:
     """(name, key description, key function, read) for every key design; read is "exact" (a dict lookup),
     "soft" (the command bag: largest overlap, the world's common tokens dropped) or "nearest" (largest
     overlap of the key's set). gate: {"df": token id -> document frequency, "threshold": {"exact": t,
-    "nearest": t}} adds the ideal learned pool, read both ways."""
+    "nearest": t}} adds the ideal learned pool, read both ways. novelty: choose_novelty's answer (with
+    gate's df) adds the novelty-scored pools of NOVELTY_VARIANTS, plain and intersected with the rare
+    tokens, read both ways."""
     today = key_shift + 1
     out = [(f"today (key_shift {key_shift}: window {today})", f"the {today} tokens before the label, within the round",
             make_key_fn(today), "exact"),
@@ -216,18 +254,31 @@ def designs(key_shift: int, windows: list[int], tool_call_id: int,
                         f"window {today} + the set of the round's tokens before the label (all kinds, from the round's "
                         f"start) whose document frequency on the dev worlds is <= {t}, {how}",
                         make_pool_key_fn(today, gate["df"], t), read))
+    for label, scope, lookback, ref in NOVELTY_VARIANTS if novelty else ():
+        from_token = tool_call_id if scope == "command" else None
+        what = "tokens from <tool_call> on" if scope == "command" else "action tokens (think + call)"
+        for read in ("exact", "nearest"):
+            how = ("read exactly" if read == "exact"
+                   else "read by the nearest kept set (Jaccard), ties to the latest write")
+            out.append((f"{NOVELTY_POOL}: {label}, {read}", f"window {today} + the set of the round's {what} that "
+                        f"do not occur in {ref}'s tokens of the same scope, {how}",
+                        make_novel_key_fn(today, from_token, lookback), read))
+            t = novelty[label]["chosen"][read]
+            out.append((f"{NOVELTY_POOL}: {label} & rare, {read}", f"as `{label}`, keeping only the novel tokens whose "
+                        f"document frequency on the dev worlds is <= {t} (chosen on the dev worlds), {how}",
+                        make_novel_key_fn(today, from_token, lookback, gate["df"], t), read))
     out += [(f"window {n}", f"the {n} tokens before the label, within the round", make_key_fn(n), "exact")
             for n in windows]
     return out
 
 
-def choose_gate(dev: list[dict], window: int, df: dict[int, float], grid: list[float]) -> dict:
-    """Score the ideal learned pool on the dev worlds for each threshold of `grid`, both reads and both
-    write rules; per read, choose the threshold with the most dev worlds passed under overwrite (then the
-    most exact readbacks, then the smaller threshold)."""
+def choose_gate(dev: list[dict], window: int, df: dict[int, float], grid: list[float], make=None) -> dict:
+    """Score the ideal learned pool (or `make(t)`, a key function per threshold) on the dev worlds for each
+    threshold of `grid`, both reads and both write rules; per read, choose the threshold with the most dev
+    worlds passed under overwrite (then the most exact readbacks, then the smaller threshold)."""
     rows = []
     for t in grid:
-        fn = make_pool_key_fn(window, df, t)
+        fn = make(t) if make else make_pool_key_fn(window, df, t)
         for read in ("exact", "nearest"):
             for rule in ("overwrite", "first"):
                 sc = score_pool(dev, fn, False, rule, read == "nearest")
@@ -242,6 +293,14 @@ def choose_gate(dev: list[dict], window: int, df: dict[int, float], grid: list[f
     return {"grid": rows, "chosen": chosen,
             "criterion": "per read, the most dev worlds passed with overwrite, then the most exact readbacks, "
                          "then the smaller threshold"}
+
+
+def choose_novelty(dev: list[dict], window: int, df: dict[int, float], grid: list[float], tool_call_id: int) -> dict:
+    """Per variant of NOVELTY_VARIANTS, choose_gate's answer for its novel tokens intersected with the rare
+    ones, on the dev worlds alone."""
+    return {label: choose_gate(dev, window, df, grid, lambda t, f=(tool_call_id if scope == "command" else None),
+                               lb=lookback: make_novel_key_fn(window, f, lb, df, t))
+            for label, scope, lookback, _ in NOVELTY_VARIANTS}
 
 
 def gate_examples(world: dict, window: int, df: dict[int, float], threshold: float, tokenizer) -> list[dict]:

@@ -159,3 +159,40 @@ def test_document_frequency_and_the_dev_choice(mc):
     # scored on a world whose names the dev worlds never saw: kept (frequency 0), so it passes
     held = _pool([(20, 21)])
     assert mc.score_pool(held, mc.make_pool_key_fn(3, df, gate["chosen"]["exact"]))["passed"] == 1
+
+
+# The novelty-scored pool: thought (40-42, with the name) then <tool_call> (99) and the command; a distractor
+# round (70) between the writes (`keygen` 50) and the readbacks (`cat` 60), which differ only in the name.
+TC = 99
+NOVEL = [([40, 10, TC, 50, 10], [7, 8]), ([40, 11, TC, 50, 11], [5, 6]), ([41, TC, 70], [3]),
+         ([42, 10, TC, 60, 10], [7, 8]), ([42, 11, TC, 60, 11], [5, 6])]
+NOVEL_READBACKS = [{"round": 4}, {"round": 5}]
+
+
+def test_novel_sets(mc):
+    ids, kinds, rounds = world(NOVEL)
+    prev = mc.novel_sets(ids, kinds, rounds, TC, lookback=1)
+    assert prev[0] == frozenset() and prev[1] == {TC, 50, 10}  # the prompt has no action tokens
+    assert prev[2] == {11} and prev[3] == {70} and prev[4] == {60, 10} and prev[5] == {11}
+    # against every earlier round the readbacks' names are never novel: the writes used them
+    every = mc.novel_sets(ids, kinds, rounds, TC)
+    assert every[4] == {60} and every[5] == frozenset()
+    # the round's action tokens (the thought too) instead of the command
+    assert mc.novel_sets(ids, kinds, rounds, None, lookback=1)[4] == {42, 10, 60}
+    key_of = mc.make_novel_key_fn(3, TC, 1, {10: 0.01, 11: 0.01, 60: 0.3, TC: 0.9}, 0.1)(ids, kinds, rounds)
+    p = [i for i, r in enumerate(rounds) if r == 4 and kinds[i] == O][0]
+    assert key_of(p) == (tuple(HEADER), frozenset({10}))  # the verb gated out as frequent
+
+
+def test_novelty_pool_passes_where_todays_key_fails(mc):
+    ids, kinds, rounds = world(NOVEL)
+    assert not mc.simulate_world(ids, kinds, rounds, NOVEL_READBACKS, mc.make_key_fn(3))["passed"]
+    near = mc.simulate_world(ids, kinds, rounds, NOVEL_READBACKS, mc.make_novel_key_fn(3, TC, 1), nearest=True)
+    assert near["passed"] and [r["exact"] for r in near["readbacks"]] == [True, True]
+    # read exactly, round 4's set {cat, name} is not its write's {<tool_call>, keygen, name}
+    exact = mc.simulate_world(ids, kinds, rounds, NOVEL_READBACKS, mc.make_novel_key_fn(3, TC, 1))
+    assert [r["exact"] for r in exact["readbacks"]] == [False, True]
+    # novel against every earlier round, neither readback's set holds its name ({cat}, then nothing): they
+    # overlap no write and tie to the latest one (the distractor's, then round 4's)
+    every = mc.simulate_world(ids, kinds, rounds, NOVEL_READBACKS, mc.make_novel_key_fn(3, TC), nearest=True)
+    assert [r["exact"] for r in every["readbacks"]] == [False, False]

@@ -280,16 +280,16 @@ def write_plot(report: dict, path) -> None:
     plt = pyplot()
     rows = report["rows"]
     families = sorted({f for r in rows for f in r["per_family"]})
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [1, 2]})
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [1.2, 2]})
     many_seeds = len({r.get("seed") for r in rows}) > 1
-    labels = [f"{r['model']}\n{r['mode']}" + (f" seed {r.get('seed')}" if many_seeds else "") for r in rows]
+    labels = [f"{r['model']} ({r['mode']})" + (f" seed {r.get('seed')}" if many_seeds else "") for r in rows]
     colors = [mode_color(r["mode"]) for r in rows]
     interval_bars(axes[0], rows, "success", labels, colors, title="task success (95% Wilson)", unit_range=True)
     width = 0.8 / max(len(rows), 1)
     for i, r in enumerate(rows):
         xs = [j + i * width for j in range(len(families))]
         axes[1].bar(xs, [r["per_family"].get(f, {}).get("rate") or 0.0 for f in families], width, color=colors[i],
-                    edgecolor="black", linewidth=0.3, label=labels[i].replace("\n", " "))
+                    edgecolor="black", linewidth=0.3, label=labels[i])
     axes[1].set_xticks([j + 0.4 - width / 2 for j in range(len(families))], families, fontsize=8)
     axes[1].set_ylim(0, 1)
     axes[1].set_title("success per family", fontsize=10)

@@ -1,6 +1,8 @@
 """benchmarks/memory_ceiling_context.py: the nearest-neighbour ideal memory on hand-built keys (identical keys
 overwrite and fail a two-key world, distinct ones pass), the context pool against its definition, and the
-extracted prime input against what the event loop feeds the prime MLP of a tiny Qwen3."""
+extracted prime input against what the event loop feeds the prime MLP of a tiny Qwen3; and the soft novelty
+pool of benchmarks/memory_ceiling_novelty.py (a second readback's key nearest its own write, not the first
+readback's; beta 0 the mean pool; the per-position view against its definition)."""
 
 from __future__ import annotations
 
@@ -125,3 +127,64 @@ def test_extracted_prime_input_is_what_the_event_loop_feeds_the_prime_mlp(mcc):
     np.testing.assert_allclose(views[f"prime_L{first.layer_idx}"], key[0].detach().numpy(), rtol=1e-4, atol=1e-5)
     assert not np.allclose(views["x"], views[f"prime_L{first.layer_idx}"], atol=1e-3)  # the key is not x alone
     assert views["attn"].shape == (len(ids), 4 * 8)
+
+
+@pytest.fixture(scope="module")
+def mcn():
+    path = SCRIPT.parent / "memory_ceiling_novelty.py"
+    spec = importlib.util.spec_from_file_location("memory_ceiling_novelty", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_soft_novelty_key_tells_the_second_readback_from_the_first(mcc, mcn):
+    # Write a (command W(a)), write b (W(b), after W(a)), read a (R(a), after W(b)), read b (R(b), after R(a)):
+    # R(a) and R(b) differ only in the name (token 10 vs 11); a random unit vector per token id.
+    rng = np.random.default_rng(2)
+    emb = mcc.unit(rng.standard_normal((100, 64)))
+    w_a, w_b, r_a, r_b = [20, 21, 22, 10, 30], [20, 21, 22, 11, 30], [40, 41, 10, 30], [40, 41, 11, 30]
+    prompt = []
+
+    def key(cur, prev, beta):
+        return mcc.unit(mcn.soft_novelty_key(emb[cur], emb[prev], beta)[None])[0]
+
+    for beta in (16.0, 64.0):
+        written = {"W(a)": key(w_a, prompt, beta), "W(b)": key(w_b, w_a, beta), "R(a)": key(r_a, w_b, beta)}
+        read = key(r_b, r_a, beta)
+        sims = {k: float(v @ read) for k, v in written.items()}
+        assert max(sims, key=sims.get) == "W(b)", sims  # its own write, not the first readback's key
+    # the mean pool (beta 0) confuses it with the first readback, the same command up to the name
+    written = {"W(a)": key(w_a, prompt, 0.0), "W(b)": key(w_b, w_a, 0.0), "R(a)": key(r_a, w_b, 0.0)}
+    read = key(r_b, r_a, 0.0)
+    assert max(written, key=lambda k: float(written[k] @ read)) == "R(a)"
+
+
+def test_soft_novelty_key_with_beta_zero_is_the_mean_pool(mcc, mcn):
+    rng = np.random.default_rng(3)
+    v = mcc.unit(rng.standard_normal((7, 16)))
+    np.testing.assert_allclose(mcn.soft_novelty_key(v[:4], v[4:], 0.0), v[:4].mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mcn.soft_novelty_key(v[:4], v[:0], 5.0), v[:4].mean(0), rtol=1e-5, atol=1e-6)
+    # a token of the previous command is weighted exp(-beta) against one orthogonal to it
+    e = np.eye(3, dtype=np.float32)
+    np.testing.assert_allclose(mcn.soft_novelty_weights(e[:2], e[:1], 2.0), np.array([np.exp(-2.0), 1.0]) /
+                               (1 + np.exp(-2.0)), rtol=1e-6)
+
+
+def test_soft_novelty_view_pools_the_round_scope_before_each_position(mcc, mcn):
+    # per position p, the key over the round's command tokens (from <tool_call>, 50, on) at positions <= p,
+    # against the previous round's command tokens
+    rng = np.random.default_rng(4)
+    ids, kinds, rounds = world(TWO_KEYS)
+    v = mcc.unit(rng.standard_normal((len(ids), 8)))
+    view = mcn.soft_novelty_view(v, ids, kinds, rounds, "command", 50, 4.0)
+    cmd = {r: [q for q in range(len(ids)) if rounds[q] == r and kinds[q] == A and ids[q] != 60 and
+               any(ids[i] == 50 and rounds[i] == r for i in range(q + 1))] for r in range(5)}
+    for p in range(len(ids)):
+        r = rounds[p]
+        cur = [q for q in cmd[r] if q <= p]
+        if not cur:
+            assert not view[p].any()
+            continue
+        prev = cmd.get(r - 1, [])
+        np.testing.assert_allclose(view[p], mcn.soft_novelty_key(v[cur], v[prev], 4.0), rtol=1e-5, atol=1e-6)

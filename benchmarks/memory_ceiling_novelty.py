@@ -24,10 +24,18 @@ is chosen on the dev worlds alone (memory_ceiling.py's gate dev seeds: the most 
 exact readbacks, then the smaller beta), then scored on the held-out and training-pool worlds. References on
 the same worlds: the ideal token-set novelty pool (nearest Jaccard) and the window alone.
 
+The streamable variant (--reduces mean; rows "vs previous mean"): score_s = -beta * cos(v_s, m), m the mean of
+the previous round's unit vectors u of the scope (sum then normalise: the same cosine), one fixed-size vector
+per round that a recurrent key state can carry to the next round; the current round pools with running sums
+of w_s v_s and w_s. beta 0 is the same mean pool as under max (its row once).
+
 Measured (benchmarks/results/memory_ceiling_novelty.md; held-out / training-pool worlds): the ideal set 128/128
 and 31/32; over embeddings the soft pool reaches it on the held-out worlds (trained, command, beta 4: 128/128;
 fresh, command or action, beta 4: 128/128) but not on the training pool (19/32 trained, 26/32 fresh); over the
 prime input at L3 it does not (37-38/128, beta 64, the grid's edge); beta 0 (the mean pool) passes 0/128.
+The streamable mean variant, beta chosen on dev, falls below max over embeddings (trained command 98/128 and
+13/32, beta 4; action 108/128 and 11/32, beta 4; fresh command 37/128 and 5/32, action 90/128 and 15/32, beta 4)
+and lies above it over the L3 prime input (command 67/128 and 9/32, action 89/128 and 17/32, beta 16).
 """
 
 from __future__ import annotations
@@ -52,22 +60,29 @@ OUT = REPO / "benchmarks" / "results"
 SCOPES = ("command", "action")
 
 
-def soft_novelty_weights(v_cur: np.ndarray, v_prev: np.ndarray, beta: float) -> np.ndarray:
-    """softmax_s(-beta * max_u cos(v_s, v_u)) over the rows s of v_cur (unit rows; v_prev's rows u unit, none:
-    every score 0)."""
+def soft_novelty_weights(v_cur: np.ndarray, v_prev: np.ndarray, beta: float, reduce: str = "max") -> np.ndarray:
+    """softmax_s(-beta * near_s) over the rows s of v_cur (unit rows; v_prev's rows u unit, none: every score 0),
+    near_s = max_u cos(v_s, v_u) (reduce "max") or cos(v_s, m), m = the mean of the rows u (reduce "mean", the
+    streamable variant: one fixed-size vector per round; a zero mean scores 0)."""
     if len(v_cur) == 0:
         return np.zeros(0)
-    near = (v_cur.astype(np.float64) @ v_prev.astype(np.float64).T).max(1) if len(v_prev) else np.zeros(len(v_cur))
+    near = np.zeros(len(v_cur))
+    if len(v_prev) and reduce == "max":
+        near = (v_cur.astype(np.float64) @ v_prev.astype(np.float64).T).max(1)
+    elif len(v_prev):
+        m = v_prev.astype(np.float64).mean(0)
+        norm = np.linalg.norm(m)
+        near = v_cur.astype(np.float64) @ (m / norm) if norm > 0 else near
     score = -beta * near
     w = np.exp(score - score.max())
     return w / w.sum()
 
 
-def soft_novelty_key(v_cur: np.ndarray, v_prev: np.ndarray, beta: float) -> np.ndarray:
-    """sum_s softmax_s(-beta * max_u cos(v_s, v_u)) v_s (zeros when v_cur has no rows)."""
+def soft_novelty_key(v_cur: np.ndarray, v_prev: np.ndarray, beta: float, reduce: str = "max") -> np.ndarray:
+    """sum_s softmax_s(-beta * near_s) v_s, near_s as soft_novelty_weights (zeros when v_cur has no rows)."""
     if len(v_cur) == 0:
         return np.zeros(v_cur.shape[1], dtype=np.float32)
-    return (soft_novelty_weights(v_cur, v_prev, beta) @ v_cur.astype(np.float64)).astype(np.float32)
+    return (soft_novelty_weights(v_cur, v_prev, beta, reduce) @ v_cur.astype(np.float64)).astype(np.float32)
 
 
 def scope_positions(ids: list[int], kinds: list[int], rounds: list[int], scope: str,
@@ -87,7 +102,7 @@ def scope_positions(ids: list[int], kinds: list[int], rounds: list[int], scope: 
 
 
 def soft_novelty_view(v: np.ndarray, ids: list[int], kinds: list[int], rounds: list[int], scope: str,
-                      tool_call_id: int | None, beta: float) -> np.ndarray:
+                      tool_call_id: int | None, beta: float, reduce: str = "max") -> np.ndarray:
     """Per position p (as the key of the label at p+1, memory_ceiling_context's convention: row p-1 keys p):
     the soft novelty key over the round's `scope` tokens at positions <= p, against the previous round's
     `scope` tokens (the previous round in round order, whatever its tokens). v: unit rows per position."""
@@ -102,7 +117,7 @@ def soft_novelty_view(v: np.ndarray, ids: list[int], kinds: list[int], rounds: l
         s_pos, u_pos = pos.get(r, []), pos.get(prev_of.get(r), [])
         if not s_pos:
             continue
-        w = soft_novelty_weights(v[s_pos], v[u_pos], beta)  # a later token's score does not depend on earlier ones
+        w = soft_novelty_weights(v[s_pos], v[u_pos], beta, reduce)  # a later token's score does not depend on earlier ones
         csum_w, csum_wv = np.cumsum(w), np.cumsum(w[:, None] * v[s_pos].astype(np.float64), 0)
         start = round_start[r]
         end = ends[ends.index(start) + 1]
@@ -134,9 +149,10 @@ def base_vectors(pool: list[dict], trained, fresh, first_layer: int) -> list[dic
     return out
 
 
-def with_keys(pool: list[dict], bases: list[dict], base: str, scope: str, beta: float, tool_call_id: int) -> list[dict]:
+def with_keys(pool: list[dict], bases: list[dict], base: str, scope: str, beta: float, tool_call_id: int,
+              reduce: str = "max") -> list[dict]:
     return [{**w, "tags": {"k": unit(soft_novelty_view(b[base], w["ids"], w["kinds"], w["rounds"], scope,
-                                                       tool_call_id, beta))}} for w, b in zip(pool, bases)]
+                                                       tool_call_id, beta, reduce))}} for w, b in zip(pool, bases)]
 
 
 def write_md(res: dict, path: pathlib.Path) -> None:
@@ -150,7 +166,9 @@ def write_md(res: dict, path: pathlib.Path) -> None:
              "of the scope before the label, u the previous round's; read by the largest cosine within the window key,"
              " write rule overwrite. beta chosen on the dev worlds "
              f"({res['dev']['worlds']} training-pool worlds, seeds {res['dev']['seeds']}) from {res['betas']}; "
-             "beta = 0 is the plain mean pool. Details: the script's docstring.", "",
+             "beta = 0 is the plain mean pool. Rows \"vs previous mean\": the streamable variant, score "
+             "-beta cos(v_s, m), m the mean of the previous round's unit vectors u (one fixed-size vector per round). "
+             "Details: the script's docstring.", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in res["designs"]:
         cells = [r["name"], "" if r.get("beta") is None else str(r["beta"])]
@@ -190,6 +208,8 @@ def main() -> None:
     ap.add_argument("--train-pool", type=int, default=32)
     ap.add_argument("--dev", type=int, default=64)
     ap.add_argument("--betas", type=float, nargs="+", default=[0.0, 1.0, 4.0, 16.0, 64.0])
+    ap.add_argument("--reduces", nargs="+", default=["max", "mean"], choices=["max", "mean"],
+                    help="near_s: max_u cos(v_s, v_u), or cos(v_s, mean_u v_u) (streamable)")
     ap.add_argument("--out", default=str(OUT / "memory_ceiling_novelty"))
     args = ap.parse_args()
     from ds_ttt.data.generator import generate_memory_world
@@ -220,26 +240,27 @@ def main() -> None:
              **{p: score_pool(pools[p], make_novel_key_fn(window, None, 1), nearest=True) for p in scored}}]
     dev_grid = {}
     for base in bases["dev"][0]:
-        for scope in SCOPES:
-            variant = f"{base}, {scope}"
+        for scope, reduce in ((s, r) for s in SCOPES for r in args.reduces):
+            variant = f"{base}, {scope}" + (", vs previous mean" if reduce == "mean" else "")
             grid = []
             for beta in args.betas:
-                sc = score_pool(with_keys(pools["dev"], bases["dev"], base, scope, beta, tool_call_id),
+                sc = score_pool(with_keys(pools["dev"], bases["dev"], base, scope, beta, tool_call_id, reduce),
                                 key_fn("k", window), make_memory=NearestMemory)
                 grid.append({"beta": beta, **{k: sc[k] for k in ("passed", "worlds", "exact_readbacks", "readbacks")}})
             dev_grid[variant] = grid
             chosen = max(grid, key=lambda g: (g["passed"], g["exact_readbacks"], -g["beta"]))["beta"]
             print(variant, "dev", [(g["beta"], g["passed"]) for g in grid], "chosen", chosen, flush=True)
-            for beta in sorted({0.0, chosen}):
+            # beta 0 is the same mean pool whatever the reduce: its row once, under "max"
+            for beta in sorted({0.0, chosen} if reduce == "max" else {chosen}):
                 rows.append({"name": f"soft novelty pool: {variant}" + (" (beta 0: mean pool)" if beta == 0 else ""),
                              "beta": beta, "chosen": beta == chosen, **{p: score_pool(
-                                 with_keys(pools[p], bases[p], base, scope, beta, tool_call_id), key_fn("k", window),
-                                 make_memory=NearestMemory) for p in scored}})
+                                 with_keys(pools[p], bases[p], base, scope, beta, tool_call_id, reduce),
+                                 key_fn("k", window), make_memory=NearestMemory) for p in scored}})
                 print(rows[-1]["name"], beta, {p: rows[-1][p]["passed"] for p in scored}, flush=True)
     res = {"command": " ".join(["benchmarks/memory_ceiling_novelty.py"] + sys.argv[1:]), "checkpoint": args.checkpoint,
            "step": loaded.provenance.get("step"), "window": window, "first_adaptive_layer": first, "betas": args.betas,
            "dev": {"worlds": args.dev, "pool": "train", "seeds": [dev_base, dev_base + args.dev - 1]},
-           "pools": {p: {"worlds": len(pools[p])} for p in scored}, "load_start": load_start,
+           "pools": {p: {"worlds": len(pools[p])} for p in scored}, "load_start": load_start, "reduces": args.reduces,
            "dev_grid": dev_grid, "designs": rows,
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                     text=True).stdout.strip(), "wall_s": round(time.time() - t0, 1),

@@ -188,3 +188,39 @@ def test_soft_novelty_view_pools_the_round_scope_before_each_position(mcc, mcn):
             continue
         prev = cmd.get(r - 1, [])
         np.testing.assert_allclose(view[p], mcn.soft_novelty_key(v[cur], v[prev], 4.0), rtol=1e-5, atol=1e-6)
+
+
+def test_soft_novelty_mean_variant_scores_against_the_previous_rounds_mean(mcc, mcn):
+    # score_s = -beta cos(v_s, m), m the mean of the previous round's unit rows, by hand
+    rng = np.random.default_rng(5)
+    v = mcc.unit(rng.standard_normal((9, 12)))
+    cur, prev, beta = v[:4].astype(np.float64), v[4:].astype(np.float64), 3.0
+    m = prev.mean(0)
+    score = -beta * (cur @ m) / (np.linalg.norm(cur, axis=1) * np.linalg.norm(m))
+    w = np.exp(score) / np.exp(score).sum()
+    np.testing.assert_allclose(mcn.soft_novelty_weights(v[:4], v[4:], beta, "mean"), w, rtol=1e-6)
+    np.testing.assert_allclose(mcn.soft_novelty_key(v[:4], v[4:], beta, "mean"), w @ cur, rtol=1e-5, atol=1e-6)
+    # not the max-cosine score (a check that can tell the two apart), and the sum scores as the mean
+    assert not np.allclose(mcn.soft_novelty_weights(v[:4], v[4:], beta, "max"), w, rtol=1e-3)
+    np.testing.assert_allclose(mcn.soft_novelty_weights(v[:4], v[4:], beta, "mean"),
+                               mcn.soft_novelty_weights(v[:4], np.concatenate([v[4:], v[4:]]), beta, "mean"))
+    # no previous round: every score 0, the mean pool
+    np.testing.assert_allclose(mcn.soft_novelty_key(v[:4], v[:0], beta, "mean"), v[:4].mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_soft_novelty_mean_variant_tells_the_second_readback_from_the_first(mcc, mcn):
+    # as test_soft_novelty_key_tells_the_second_readback_from_the_first, R(a) and R(b) differing in one token
+    rng = np.random.default_rng(2)
+    emb = mcc.unit(rng.standard_normal((100, 64)))
+    w_a, w_b, r_a, r_b = [20, 21, 22, 10, 30], [20, 21, 22, 11, 30], [40, 41, 10, 30], [40, 41, 11, 30]
+
+    def key(cur, prev, beta):
+        return mcc.unit(mcn.soft_novelty_key(emb[cur], emb[prev], beta, "mean")[None])[0]
+
+    for beta in (16.0, 64.0):
+        written = {"W(a)": key(w_a, [], beta), "W(b)": key(w_b, w_a, beta), "R(a)": key(r_a, w_b, beta)}
+        read = key(r_b, r_a, beta)
+        sims = {k: float(v @ read) for k, v in written.items()}
+        assert max(sims, key=sims.get) == "W(b)", sims
+    written = {"W(a)": key(w_a, [], 0.0), "W(b)": key(w_b, w_a, 0.0), "R(a)": key(r_a, w_b, 0.0)}
+    assert max(written, key=lambda k: float(written[k] @ key(r_b, r_a, 0.0))) == "R(a)"

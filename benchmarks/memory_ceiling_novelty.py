@@ -117,7 +117,8 @@ def soft_novelty_view(v: np.ndarray, ids: list[int], kinds: list[int], rounds: l
         s_pos, u_pos = pos.get(r, []), pos.get(prev_of.get(r), [])
         if not s_pos:
             continue
-        w = soft_novelty_weights(v[s_pos], v[u_pos], beta, reduce)  # a later token's score does not depend on earlier ones
+        # a later token's score does not depend on earlier ones
+        w = soft_novelty_weights(v[s_pos], v[u_pos], beta, reduce)
         csum_w, csum_wv = np.cumsum(w), np.cumsum(w[:, None] * v[s_pos].astype(np.float64), 0)
         start = round_start[r]
         end = ends[ends.index(start) + 1]

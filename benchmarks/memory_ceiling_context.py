@@ -244,6 +244,20 @@ def write_md(res: dict, path: pathlib.Path) -> None:
     path.write_text("\n".join(lines))
 
 
+def trained_and_fresh(checkpoint: str):
+    """The trained checkpoint, loaded read-only (`load_for_inference`; its policy must be current_round), and
+    the control: a freshly initialised model of its config (seed 0). One thread."""
+    from ds_ttt.loading import load_for_inference
+    from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
+
+    torch.set_num_threads(1)
+    loaded = load_for_inference(checkpoint, hash_files=False)
+    assert loaded.model.ttt.context_policy == "current_round", loaded.model.ttt.context_policy
+    torch.manual_seed(0)
+    fresh = TTTQwen3ForCausalLM(loaded.model.config, loaded.model.ttt).eval().requires_grad_(False)
+    return loaded, fresh
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=str(REPO / "runs" / "main" / "run"))
@@ -251,17 +265,10 @@ def main() -> None:
     ap.add_argument("--train-pool", type=int, default=32)
     ap.add_argument("--out", default=str(OUT / "memory_ceiling_context"))
     args = ap.parse_args()
-    from ds_ttt.loading import load_for_inference
-    from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
-
     load_start = pathlib.Path("/proc/loadavg").read_text().split()[:3]
     t0 = time.time()
-    torch.set_num_threads(1)
-    loaded = load_for_inference(args.checkpoint, hash_files=False)
+    loaded, fresh = trained_and_fresh(args.checkpoint)
     trained, tok = loaded.model, loaded.tokenizer
-    assert trained.ttt.context_policy == "current_round", trained.ttt.context_policy
-    torch.manual_seed(0)
-    fresh = TTTQwen3ForCausalLM(trained.config, trained.ttt).eval().requires_grad_(False)
     window = trained.ttt.key_shift + 1
     tool_call_id = tok.convert_tokens_to_ids("<tool_call>")
     pools = scored_pools(tok, args.heldout, args.train_pool)

@@ -52,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from memory_ceiling import GATE_DEV_SEED_OFFSET, render_pool, scored_pools  # noqa: E402
-from memory_ceiling_context import NearestMemory, hidden_views, unit  # noqa: E402
+from memory_ceiling_context import NearestMemory, hidden_views, trained_and_fresh, unit  # noqa: E402
 from memory_ceiling_keys import ACTION, make_key_fn, make_novel_key_fn, score_pool, window_key  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -215,16 +215,11 @@ def main() -> None:
     args = ap.parse_args()
     from ds_ttt.data.generator import generate_memory_world
     from ds_ttt.evaluation.memory import MEMORY_SEED_BASE
-    from ds_ttt.loading import load_for_inference
-    from ds_ttt.model.qwen3 import TTTQwen3ForCausalLM
 
     load_start = pathlib.Path("/proc/loadavg").read_text().split()[:3]
     t0 = time.time()
-    torch.set_num_threads(1)
-    loaded = load_for_inference(args.checkpoint, hash_files=False)
+    loaded, fresh = trained_and_fresh(args.checkpoint)
     trained, tok = loaded.model, loaded.tokenizer
-    torch.manual_seed(0)
-    fresh = TTTQwen3ForCausalLM(trained.config, trained.ttt).eval().requires_grad_(False)
     window, first = trained.ttt.key_shift + 1, trained.adaptive_layers[0].layer_idx
     tool_call_id = tok.convert_tokens_to_ids("<tool_call>")
     dev_base = MEMORY_SEED_BASE + GATE_DEV_SEED_OFFSET

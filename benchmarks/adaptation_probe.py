@@ -113,6 +113,8 @@ def main() -> None:
     ap.add_argument("--inner-clip-kind", default="global", choices=("global", "per_matrix"))
     ap.add_argument("--fast-matrices", default="all", choices=("all", "down"))
     ap.add_argument("--inner-steps", type=int, default=1)
+    ap.add_argument("--round-address", action="store_true", help="ttt.round_address (the main recipe's)")
+    ap.add_argument("--write-rate", action="store_true", help="ttt.write_rate: a learned per-token weight on the inner loss")
     ap.add_argument("--world-seed-base", type=int, default=None,
                     help="memory-world seeds (default: the dev seeds, ds_ttt.evaluation.memory.MEMORY_DEV_SEED_BASE)")
     ap.add_argument("--save", default=None, help="also save the trained model's state_dict and configs here (torch.save)")
@@ -131,7 +133,8 @@ def main() -> None:
                     checkpoint_events=False, obs_loss_weight=args.obs_weight,
                     prime_init_std=args.prime_init_std, obs_loss_with_end=args.obs_loss_with_end,
                     key_shift=args.key_shift, inner_loss=args.inner_loss, inner_clip=args.inner_clip_kind,
-                    fast_matrices=args.fast_matrices, inner_steps=args.inner_steps)
+                    fast_matrices=args.fast_matrices, inner_steps=args.inner_steps,
+                    round_address=args.round_address, write_rate=args.write_rate)
     torch.manual_seed(args.seed)
     model = TTTQwen3ForCausalLM(cfg, ttt)
     model.set_trainable_scope()

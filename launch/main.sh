@@ -10,6 +10,12 @@
 #
 #   bash setup.sh && bash launch/main.sh [WORK_DIR]        # WORK_DIR defaults to runs/main
 #
+# Independent steps run at once, so that neither core waits: the two generator calls; the task suite (built
+# and blind-checked) and the held-out sets, which need no model, beside the training; after it, the closed
+# loop (export, contamination check, episodes) beside the evaluation and the held-out score. A background
+# step that fails fails the job, naming it and showing the end of its log; those logs are printed when the
+# step is done (the suite's stays in WORK_DIR/task_suite.log; the others are kept in a temporary directory
+# only when the job fails).
 # Its duration on a 2-core CPU machine is in the report (minutes) and README.md. Environment knobs:
 #   NUM_TRAJ (300)   trajectories of the main corpus; 10% of them (by group hash) are the held-out split
 #   NUM_EXTRA (600)  extra memory-family episodes, another seed, added to the train split only
@@ -38,42 +44,67 @@ mkdir -p "$WORK"
 t0=$(date +%s)
 load_start=$(cut -d' ' -f1 /proc/loadavg)
 step() { echo; echo "=== [$(( $(date +%s) - t0 )) s] $*"; }
+# background steps: `bg NAME LOG command...` starts one, `finish NAME` waits for it and fails the job if it failed
+LOGS=$(mktemp -d)
+declare -A bg_pid bg_log
+bg() { local name=$1 log=$2; shift 2; "$@" > "$log" 2>&1 & bg_pid[$name]=$!; bg_log[$name]=$log; }
+finish() {
+  wait "${bg_pid[$1]}" || { echo "error: $1 failed (its log: ${bg_log[$1]}):"; tail -n 20 "${bg_log[$1]}"; exit 1; }
+}
+cleanup() {
+  local status=$?
+  kill $(jobs -p) 2> /dev/null || true  # what still runs in the background when the job fails
+  if [ "$status" -eq 0 ]; then rm -rf "$LOGS"; fi
+  exit "$status"
+}
+trap cleanup EXIT
 
 step "1/8 generate $NUM_TRAJ trajectories (seed $SEED) and $NUM_EXTRA extra memory episodes (seed $EXTRA_SEED) in real bash sandboxes"
+bg generate_extra "$LOGS/generate_extra.log" \
+  $PY data_prep/generate.py --out "$WORK/raw_extra" --num "$NUM_EXTRA" --seed "$EXTRA_SEED" --family memory --no-token-stats
 $PY data_prep/generate.py --out "$WORK/raw" --num "$NUM_TRAJ" --seed "$SEED"
-$PY data_prep/generate.py --out "$WORK/raw_extra" --num "$NUM_EXTRA" --seed "$EXTRA_SEED" --family memory --no-token-stats
+finish generate_extra
+cat "$LOGS/generate_extra.log"
 
 step "2/8 prepare the manifest (compact Qwen3 vocabulary, capacity filter, split, hashes; extra episodes train-only)"
 $PY data_prep/prepare.py --inputs "$WORK/raw/trajectories.jsonl" --train-only "$WORK/raw_extra/trajectories.jsonl" \
   --out "$WORK/data" --seed "$SEED" --trim-vocab
 
-# the closed-loop task suite needs no model: build and check it on the side while training runs
+# neither the closed-loop task suite nor the held-out sets (which need the manifest: its train split's prompts
+# are excluded) needs the model: they are built and checked on the side while training runs
 rm -rf "$WORK/tasks"
-$PY evals/task_suite.py --out "$WORK/tasks" --split test --num-per-kind "$TASKS_PER_KIND" > "$WORK/task_suite.log" 2>&1 &
-suite_pid=$!
+bg task_suite "$WORK/task_suite.log" $PY evals/task_suite.py --out "$WORK/tasks" --split test --num-per-kind "$TASKS_PER_KIND"
+bg heldout_sets "$LOGS/heldout_sets.log" $PY evals/heldout_sets.py --manifest "$WORK/data/manifest.json" --out "$WORK/sets" --split test
 
 step "3/8 meta-train: $NUM_RANKS CPU ranks ($DS_CONFIG), $MAX_STEPS steps"
 .venv/bin/deepspeed --num_gpus "$NUM_RANKS" launch/train.py --deepspeed_config "$DS_CONFIG" --run_config "$RUN_CONFIG" \
   --data "$WORK/data/manifest.json" --output "$WORK/run" --max_steps "$MAX_STEPS"
 
+finish task_suite  # long done by now: it takes about half the training's time
+tail -n 1 "$WORK/task_suite.log"
+# steps 6 and 7 (export, closed loop) need only the trained checkpoint and the suite: they run beside steps 4 and 5
+closed_loop() {
+  step "6/8 export for serving (Hugging Face layout + prime weights)"
+  $PY launch/export.py --checkpoint "$WORK/run" --out "$WORK/export"
+  step "7/8 closed-loop held-out tasks: the model acts in a sandbox, each task's test scores it (ttt, frozen)"
+  # refuses (exit 1, naming them) tasks whose instruction and setup equal a training episode's; reports overlap per kind
+  $PY evals/contamination.py --suite "$WORK/tasks" --training "$WORK/data/manifest.json" --out "$WORK/tasks_contamination.json" \
+    | tail -n 3
+  $PY evals/agent_tasks.py --model "$WORK/run" --tasks "$WORK/tasks" --label ttt_current --out "$WORK/agent_tasks_scored.json" \
+    2> "$WORK/agent_tasks.log"
+}
+bg closed_loop "$LOGS/closed_loop.log" closed_loop
+
 step "4/8 evaluate the manifest's held-out split: ttt vs frozen, the trained context policy"
 $PY evals/evaluate.py --checkpoint "$WORK/run" --manifest "$WORK/data/manifest.json" --out "$WORK/eval" > /dev/null
 
-step "5/8 held-out sets (test seeds, prompts never seen in training) and the model's score on them"
-$PY evals/heldout_sets.py --manifest "$WORK/data/manifest.json" --out "$WORK/sets" --split test > /dev/null
+step "5/8 the model's score on the held-out sets (test seeds, prompts never seen in training; built beside the training)"
+finish heldout_sets
 $PY evals/score_baseline.py --checkpoint "$WORK/run" --sets "$WORK/sets" --label ttt_current --out "$WORK/heldout_row.json"
 
-step "6/8 export for serving (Hugging Face layout + prime weights)"
-$PY launch/export.py --checkpoint "$WORK/run" --out "$WORK/export"
-
-step "7/8 closed-loop held-out tasks: the model acts in a sandbox, each task's test scores it (ttt, frozen)"
-wait "$suite_pid" || { echo "the task suite failed: $WORK/task_suite.log"; tail -n 20 "$WORK/task_suite.log"; exit 1; }
-tail -n 1 "$WORK/task_suite.log"
-# refuses (exit 1, naming them) tasks whose instruction and setup equal a training episode's; reports overlap per kind
-$PY evals/contamination.py --suite "$WORK/tasks" --training "$WORK/data/manifest.json" --out "$WORK/tasks_contamination.json" \
-  | tail -n 3
-$PY evals/agent_tasks.py --model "$WORK/run" --tasks "$WORK/tasks" --label ttt_current --out "$WORK/agent_tasks_scored.json" \
-  2> "$WORK/agent_tasks.log"
+step "6/8 and 7/8: export and the closed loop (beside steps 4 and 5)"
+finish closed_loop
+cat "$LOGS/closed_loop.log"
 
 step "8/8 report"
 elapsed=$(( $(date +%s) - t0 ))

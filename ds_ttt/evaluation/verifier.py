@@ -24,6 +24,11 @@ through which the host's own commands (`run_fresh`, `put`, `read`) are sent: a s
      fails; the answer (when given) is written to ANSWER_PATH; the reward file must be absent;
   5. the test runs (`bash TEST_PATH`, cwd /app, the sandbox's fixed environment); reward == 1 is success.
 
+`run_verifier` sends steps 3 and 4 as one request (the same commands; each file compared inside with
+`cmp` against the host's upload it was copied from, which is what reading it back checks): should any
+part fail, it does them again one request each in another new sandbox from the same archive, so that
+the log gives the failing step's reason exactly. `seal` (Harbor's verifier) does step 3 one request each.
+
 Whatever goes wrong on the way (a snapshot that cannot be read, a copy that does not verify, a test
 that writes no reward) fails the episode with the reason in its log. What the agent left in a FRESH
 directory is named in the log ("discarded ..."), never used.
@@ -43,7 +48,7 @@ import tarfile
 from pathlib import PurePosixPath
 
 from ds_ttt.sandbox import Sandbox, SandboxError
-from ds_ttt.sandbox.shell import MAX_TRANSFER_BYTES
+from ds_ttt.sandbox.shell import MAX_TRANSFER_BYTES, put_command, put_tree_command
 from ds_ttt.tasks.checks import ANSWER_PATH, REWARD_PATH, WORKDIR
 
 TEST_PATH = "/tests/test.sh"
@@ -86,6 +91,25 @@ def seal(sb: Sandbox, *, fresh: tuple[str, ...] = FRESH_DIRS, notes: list[str] |
     `sb` is closed, every process of it dead. `notes` gets what was discarded from `fresh`.
     Raises VerificationError (with `sb` closed) when the agent's files cannot be carried over."""
     notes = notes if notes is not None else []
+    archive, new = _snapshot(sb, fresh, notes)
+    _restore(new, archive, fresh)
+    return new
+
+
+def _fresh_command(fresh: tuple[str, ...]) -> str:
+    """Step 3's shell loop: each FRESH directory made writable (the agent may have made it read-only) and
+    removed with whatever is in it; one that is a mount is emptied (`rm -rf` of a mount point fails: hence
+    `find`); exit 1 unless each is then an empty directory."""
+    q = " ".join(shlex.quote(d) for d in fresh)
+    return (f"for d in {q}; do "
+            '{ [ -L "$d" ] || chmod -R u+rwX -- "$d"; } 2>/dev/null; '
+            'if mountpoint -q "$d" 2>/dev/null; then find "$d" -mindepth 1 -delete; else rm -rf -- "$d"; fi; '
+            'mkdir -p -- "$d" || exit 1; [ -d "$d" ] && [ ! -L "$d" ] && [ -z "$(ls -A -- "$d")" ] || exit 1; done')
+
+
+def _snapshot(sb: Sandbox, fresh: tuple[str, ...], notes: list[str]) -> tuple[bytes, Sandbox]:
+    """Steps 1-2: (the archive of `sb`'s mounts, a new unstarted sandbox like `sb`); `sb` is closed, every
+    process of it dead, whatever happens. Raises VerificationError when the archive cannot be made."""
     new = None
     try:
         if sb.isolation == "none":  # its paths are host paths: /tests would be this machine's
@@ -113,25 +137,45 @@ def seal(sb: Sandbox, *, fresh: tuple[str, ...] = FRESH_DIRS, notes: list[str] |
         # its BASE is gone: the caller's own close() (a `with` block) must not remove it again, since
         # removing a missing tree makes files.remove_tree chmod its parent (the shared /tmp) to 0700
         sb.keep = True
+    return archive, new
+
+
+def _restore(new: Sandbox, archive: bytes, fresh: tuple[str, ...]) -> None:
+    """Step 3 in `new`, one request each: the archive unpacked, the `fresh` directories made empty.
+    Raises VerificationError (with `new` closed) when either fails."""
     try:
         res = new.put_tree(archive, "/")  # into the same mounts; whatever lands in a FRESH one is removed below
         if res.exit_code != 0:
             raise VerificationError(f"the agent's files could not be restored: {res.stderr.strip()[:500]}")
-        q = " ".join(shlex.quote(d) for d in fresh)
-        # each FRESH directory is made writable (the agent may have made it read-only) and removed with
-        # whatever is in it; one that is a mount is emptied (`rm -rf` of a mount point fails: hence `find`)
-        res = new.run_fresh(
-            f"for d in {q}; do "
-            '{ [ -L "$d" ] || chmod -R u+rwX -- "$d"; } 2>/dev/null; '
-            'if mountpoint -q "$d" 2>/dev/null; then find "$d" -mindepth 1 -delete; else rm -rf -- "$d"; fi; '
-            'mkdir -p -- "$d" || exit 1; [ -d "$d" ] && [ ! -L "$d" ] && [ -z "$(ls -A -- "$d")" ] || exit 1; done',
-            cwd="/", timeout=VERIFIER_TIMEOUT_SEC)
+        res = new.run_fresh(_fresh_command(fresh), cwd="/", timeout=VERIFIER_TIMEOUT_SEC)
         if res.exit_code != 0:
             raise VerificationError(f"the verifier's directories could not be made fresh: {res.stderr.strip()[:500]}")
     except (SandboxError, VerificationError) as e:
         new.close()
         raise e if isinstance(e, VerificationError) else VerificationError(str(e)) from e
-    return new
+
+
+def _prepare_at_once(new: Sandbox, archive: bytes, test_script: str, answer: str | None) -> bool:
+    """Steps 3 and 4 in `new` as one request (each step a request costs a shell start inside and the host's
+    bookkeeping around it; the gate of the task suite runs thousands): the same commands `_restore`,
+    `place_verified` and the reward check send, each file compared with `cmp` against the upload it was
+    copied from, as the read-back compares it with the host's bytes. True when every step succeeded;
+    False (a step failed, or the sandbox did) leaves `new` to be discarded: run_verifier then does the
+    steps again, one request each, in another new sandbox from the same archive, so the log says which
+    step failed and why, word for word as when each step was always its own request."""
+    q = shlex.quote
+    places = ([(answer.encode(), ANSWER_PATH, None)] if answer is not None else []) + [
+        (test_script.encode(), TEST_PATH, 0o755)]
+    try:
+        with new.staged(archive, *(data for data, _path, _mode in places)) as (tar, *uploads):
+            lines = [put_tree_command(tar, "/") + " || exit 1", _fresh_command(FRESH_DIRS),
+                     f"cd -- {q(new.workdir)} || exit 1"]  # put and read run in the working directory
+            for src, (_data, path, mode) in zip(uploads, places):
+                lines += [put_command(src, path, mode) + " || exit 1", f"cmp -s -- {q(src)} {q(path)} || exit 1"]
+            lines.append(f"[ ! -e {q(REWARD_PATH)} ]")
+            return new.run_fresh("\n".join(lines), cwd="/", timeout=VERIFIER_TIMEOUT_SEC).exit_code == 0
+    except SandboxError:
+        return False
 
 
 def place_verified(sb: Sandbox, data: bytes, path: str, mode: int | None = None) -> None:
@@ -154,18 +198,29 @@ def run_verifier(sb: Sandbox, test_script: str, answer: str | None) -> tuple[boo
     `answer` (the episode's final reply) goes to ANSWER_PATH; None keeps the file the episode left."""
     notes: list[str] = []
     try:
-        verifier = seal(sb, notes=notes)
+        archive, verifier = _snapshot(sb, FRESH_DIRS, notes)
+        prepared = _prepare_at_once(verifier, archive, test_script, answer)
+        if not prepared:  # one request each, in a sandbox that has run none of them, for the reason
+            try:
+                again = _sandbox_like(verifier)
+            except SandboxError as e:
+                raise VerificationError(f"the agent's files could not be carried over: {e}") from e
+            finally:
+                verifier.close()
+            verifier = again
+            _restore(verifier, archive, FRESH_DIRS)
     except VerificationError as e:
         return False, "\n".join(notes + [f"[verifier: {e}]"])
     with verifier:
-        try:
-            if answer is not None:
-                place_verified(verifier, answer.encode(), ANSWER_PATH)
-            place_verified(verifier, test_script.encode(), TEST_PATH, 0o755)
-            if verifier.run_fresh(f"[ ! -e {shlex.quote(REWARD_PATH)} ]", cwd="/").exit_code != 0:
-                raise VerificationError(f"{REWARD_PATH} exists before the test ran")
-        except (SandboxError, VerificationError) as e:
-            return False, "\n".join(notes + [f"[verifier: {e}]"])
+        if not prepared:
+            try:
+                if answer is not None:
+                    place_verified(verifier, answer.encode(), ANSWER_PATH)
+                place_verified(verifier, test_script.encode(), TEST_PATH, 0o755)
+                if verifier.run_fresh(f"[ ! -e {shlex.quote(REWARD_PATH)} ]", cwd="/").exit_code != 0:
+                    raise VerificationError(f"{REWARD_PATH} exists before the test ran")
+            except (SandboxError, VerificationError) as e:
+                return False, "\n".join(notes + [f"[verifier: {e}]"])
         out = verifier.run_fresh(f"bash {TEST_PATH}", cwd=WORKDIR, timeout=VERIFIER_TIMEOUT_SEC)
         log = "\n".join(notes + [(out.output + out.stderr)[-MAX_LOG_CHARS:]])
         try:

@@ -46,13 +46,14 @@ Where no cgroup can be made the sandbox refuses; `cgroup_caps="none"` is the exp
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shlex
 import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
-from typing import Self
+from typing import Iterator, Self
 
 from .bwrap import GROUP_TEXT, HOST_UID_FOR_ROOT, SYSTEM_TMPFS_BYTES, XFER_INSIDE, bwrap_argv, bwrap_path, check_reachable, passwd_text
 from .caps import CgroupCaps, CgroupError, EpisodeCgroup, create_episode_cgroup
@@ -85,6 +86,18 @@ EPISODE_PROCESSES = MAX_PROCESSES + 16  # pids.max: RLIMIT_NPROC stops a bomb fi
 EPISODE_CPUS = 1.0  # CPU time per wall second, all its processes together: one of the two cores
 MEMORY_HEADROOM_BYTES = 64 << 20  # the memory cap must exceed the full tmpfs mounts by this (a shell must still run)
 MAX_TRANSFER_BYTES = 1 << 30  # read() / get_tree()
+
+
+def put_command(src: str, dst: str, mode: int | None = None) -> str:
+    """The shell command of `Shell.put`: copy the file `src` to `dst` (paths inside), its directory made first."""
+    q = shlex.quote
+    cmd = f'mkdir -p -- "$(dirname -- {q(dst)})" && cat -- {q(src)} > {q(dst)}'
+    return cmd + (f" && chmod {mode:o} -- {q(dst)}" if mode is not None else "")
+
+
+def put_tree_command(src: str, dst: str) -> str:
+    """The shell command of `Shell.put_tree`: unpack the tar archive `src` into directory `dst` (paths inside)."""
+    return f"mkdir -p -- {shlex.quote(dst)} && tar -xpf {shlex.quote(src)} --no-same-owner -C {shlex.quote(dst)}"
 
 
 class Shell:
@@ -290,34 +303,33 @@ class Shell:
         self._seed.add(str(host_dir), arcname=".")
         self._num_seeded += 1
 
-    def _xfer(self, data: bytes) -> tuple[Path, str]:
-        self._num_xfer += 1
-        src = self.base / "xfer" / f"in-{self._num_xfer}"
-        src.write_bytes(data)
-        os.chmod(src, 0o644)
-        return src, (f"{XFER_INSIDE}/{src.name}" if self.isolation == "bwrap" else str(src))
+    @contextlib.contextmanager
+    def staged(self, *blobs: bytes) -> Iterator[list[str]]:
+        """Each blob as a read-only file the sandbox's commands can read (their paths inside, in order),
+        removed on leaving: the uploads of `put`, `put_tree`, or of one `run_fresh` that places several
+        (put_command, put_tree_command)."""
+        files = []
+        try:
+            for data in blobs:
+                self._num_xfer += 1
+                src = self.base / "xfer" / f"in-{self._num_xfer}"
+                files.append(src)
+                src.write_bytes(data)
+                os.chmod(src, 0o644)
+            yield [f"{XFER_INSIDE}/{src.name}" if self.isolation == "bwrap" else str(src) for src in files]
+        finally:
+            for src in files:
+                src.unlink(missing_ok=True)
 
     def put(self, data: bytes, target: str, mode: int | None = None) -> CommandResult:
         """Copy `data` to `target` (a path inside, resolved inside the sandbox)."""
-        src, inside = self._xfer(data)
-        q, dst = shlex.quote, shlex.quote(self._inside(target))
-        cmd = f'mkdir -p -- "$(dirname -- {dst})" && cat -- {q(inside)} > {dst}'
-        if mode is not None:
-            cmd += f" && chmod {mode:o} -- {dst}"
-        try:
-            return self.run_fresh(cmd, timeout=max(self.timeout, 60.0))
-        finally:
-            src.unlink()
+        with self.staged(data) as (inside,):
+            return self.run_fresh(put_command(inside, self._inside(target), mode), timeout=max(self.timeout, 60.0))
 
     def put_tree(self, tar_data: bytes, target_dir: str) -> CommandResult:
         """Unpack a tar archive into `target_dir` (inside; made if missing)."""
-        src, inside = self._xfer(tar_data)
-        dst = shlex.quote(self._inside(target_dir))
-        try:
-            return self.run_fresh(f"mkdir -p -- {dst} && tar -xpf {shlex.quote(inside)} --no-same-owner -C {dst}",
-                                  timeout=max(self.timeout, 60.0))
-        finally:
-            src.unlink()
+        with self.staged(tar_data) as (inside,):
+            return self.run_fresh(put_tree_command(inside, self._inside(target_dir)), timeout=max(self.timeout, 60.0))
 
     def read(self, path: str) -> bytes:
         """The bytes of file `path` (inside); SandboxError if it cannot be read."""

@@ -29,6 +29,7 @@ import pytest
 
 from ds_ttt.data.render import final_answer, parse_assistant_message, reply_is_unfinished
 from ds_ttt.evaluation.closed_loop import run_episode, score_outcome, verify_task
+from ds_ttt.evaluation.verifier import place_verified
 from ds_ttt.sandbox import Sandbox
 from ds_ttt.tasks.checks import ANSWER_PATH, REWARD_PATH
 from ds_ttt.tasks.suite import Task
@@ -92,6 +93,24 @@ def test_a_solution_still_passes_and_doing_nothing_fails():
     assert not ok and "fail" in log, log
     result = verify_task(COUNT_LINES)
     assert result["oracle"] and not result["nop"] and result["valid"], result
+
+
+def test_the_files_are_placed_in_one_request_unless_a_step_fails(monkeypatch):
+    """Restoring, placing and checking run as one request; a step that fails there is done again one request
+    each in a new sandbox, so that the log gives that step's own reason."""
+    import ds_ttt.evaluation.verifier as verifier
+
+    placed = []
+    monkeypatch.setattr(verifier, "place_verified", lambda *a: placed.append(a[2]) or place_verified(*a))
+    with episode_sandbox() as sb:
+        sb.run("wc -l < notes.txt > answer.txt")
+        ok, log = score_outcome(sb, COUNT_LINES, "")
+    assert ok and placed == [], (log, placed)
+    with episode_sandbox() as sb:  # the answer file a directory: writing the reply there fails
+        sb.run("wc -l < notes.txt > answer.txt; mkdir -p /logs/agent/answer.txt")
+        ok, log = score_outcome(sb, COUNT_LINES, "3")
+    assert not ok and placed == [ANSWER_PATH], (log, placed)
+    assert log.startswith(f"[verifier: writing {ANSWER_PATH} failed (exit 1): ") and "Is a directory" in log, log
 
 
 @pytest.mark.parametrize("text, truncated, unfinished", [

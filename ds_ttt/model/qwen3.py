@@ -89,6 +89,31 @@ def frozen_path_attend(policy: ContextPolicy, hidden_BTC: torch.Tensor, rounds_B
     return sdpa_attend(policy.mask(rounds_BT), scale)
 
 
+class FrozenPathAttention:
+    """`frozen_path_attend` built once per micro-batch and reused by every frozen layer that asks for the
+    same one. The pipeline runs each frozen layer as its own `DecoderPipe`, so without it every layer
+    rebuilt the context-policy mask ([B, 1, T, T]) from the same round ids. A stage's layers share one
+    instance (pipeline.build_specs); it answers with the function it built last when the policy, the
+    scale, the hidden states' dtype and device and the round ids (equal in value: a copy is kept, so a
+    new micro-batch, or one changed in place, never meets a stale mask) are those of that build."""
+
+    def __init__(self):
+        self.key = None
+        self.rounds_BT: torch.Tensor | None = None
+        self.attend: Attend | None = None
+        self.builds = 0  # how many times it built the function (a test counts them)
+
+    def __call__(self, policy: ContextPolicy, hidden_BTC: torch.Tensor, rounds_BT: torch.Tensor,
+                 scale: float) -> Attend:
+        key = (policy, scale, hidden_BTC.dtype, hidden_BTC.device, rounds_BT.device, rounds_BT.dtype)
+        if (self.attend is None or key != self.key or self.rounds_BT.shape != rounds_BT.shape
+                or not torch.equal(self.rounds_BT, rounds_BT)):
+            self.attend = frozen_path_attend(policy, hidden_BTC, rounds_BT, scale)
+            self.key, self.rounds_BT = key, rounds_BT.detach().clone()
+            self.builds += 1
+        return self.attend
+
+
 class RMSNorm(Qwen3RMSNorm):
     """Qwen3's RMSNorm, computed in at least fp32 (HF's always rounds through fp32, which would make
     float64 finite-difference checks of the meta-gradient meaningless). Identical for fp32/bf16."""
@@ -176,17 +201,20 @@ def reset_qwen3_parameters(module: nn.Module, std: float, prime_init_std: float 
 
 
 def run_decoder_layers(layers, hidden_BTC: torch.Tensor, rounds_BT: torch.Tensor | None, *,
-                       policy: ContextPolicy, rotary_emb: nn.Module) -> torch.Tensor:
+                       policy: ContextPolicy, rotary_emb: nn.Module,
+                       frozen_attention: FrozenPathAttention | None = None) -> torch.Tensor:
     """Whole-sequence pass through `layers` (one or many) under the context policy, W_0 in adaptive
-    layers. Used by the single-device model and by each pipeline decoder stage."""
+    layers. Used by the single-device model and by each pipeline decoder stage; `frozen_attention`
+    (a stage's shared FrozenPathAttention) builds the attention function once per micro-batch
+    rather than once per call."""
     b, t, _ = hidden_BTC.shape
     if rounds_BT is None and policy.needs_rounds:
         raise ValueError("context_policy='current_round' needs rounds_BT (round id per token)")
     positions_BT = torch.arange(t, device=hidden_BTC.device).expand(b, t)
     pos_emb = rotary_emb(hidden_BTC, positions_BT)
-    attend = frozen_path_attend(policy, hidden_BTC,
-                                rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT),
-                                layers[0].self_attn.scaling)
+    attend = (frozen_attention if frozen_attention is not None else frozen_path_attend)(
+        policy, hidden_BTC, rounds_BT if rounds_BT is not None else torch.zeros_like(positions_BT),
+        layers[0].self_attn.scaling)
     # the key shift's history restarts where attention's context does (each round under current_round)
     segments = rounds_BT if policy.rounds_are_segments else None
     return forward_chunk(layers, hidden_BTC, pos_emb, WholeSequence(attend), segments_BT=segments).hidden_BTC

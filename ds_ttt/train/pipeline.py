@@ -29,6 +29,10 @@ through every frozen layer that only produced zeros). A stage with no trainable 
 a non-empty optimizer for `deepspeed.initialize`: `TTTPipelineModule` gives it one `stage_anchor`
 parameter of shape (1,) that no forward uses (its gradient stays None; DeepSpeed reduces it as zeros).
 
+Seeding: DeepSpeed reseeds python, numpy and torch before every layer of every micro-batch
+(`seed_layers`); `layer_seed_fn` does it with torch's CPU generator alone where there is no accelerator
+(`seed_cpu_rngs`: the same streams, without torch.manual_seed's lazy accelerator seeds).
+
 Parameter names: `Layout.hf_name(spec_idx, local)` maps each layer's local names to the Hugging Face
 names of `TTTQwen3ForCausalLM` (per-stage HF loading, the trainable scope, checkpoint reassembly).
 
@@ -37,9 +41,13 @@ Shape letters: B batch, T tokens, C hidden.
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.utils import set_random_seed
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
@@ -47,8 +55,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from ds_ttt.config import TTTConfig
 from ds_ttt.model.context import ContextPolicy
 from ds_ttt.model.event_loop import SuffixModules, run_event_loop
-from ds_ttt.model.qwen3 import (RMSNorm, TTTDecoderLayer, aliases, is_trainable, reset_qwen3_parameters,
-                                run_decoder_layers)
+from ds_ttt.model.qwen3 import (FrozenPathAttention, RMSNorm, TTTDecoderLayer, aliases, is_trainable,
+                                reset_qwen3_parameters, run_decoder_layers)
 from ds_ttt.train.layout import Layout
 from ds_ttt.train.objective import StepObjective
 
@@ -101,20 +109,24 @@ class EmbedPipe(_PipeLayer):
 
 
 class DecoderPipe(_PipeLayer):
-    """One non-adaptive decoder layer over the whole sequence (qwen3.run_decoder_layers)."""
+    """One non-adaptive decoder layer over the whole sequence (qwen3.run_decoder_layers). The decoder
+    layers of one stage share `frozen_attention` (build_specs), so the context-policy mask is built once
+    per micro-batch, not once per layer; without one the layer builds its own."""
 
-    def __init__(self, config: Qwen3Config, ttt: TTTConfig, layout: Layout, layer_idx: int, grad_out: bool = True):
+    def __init__(self, config: Qwen3Config, ttt: TTTConfig, layout: Layout, layer_idx: int, grad_out: bool = True,
+                 frozen_attention: FrozenPathAttention | None = None):
         super().__init__()
         self.layer = TTTDecoderLayer(config, layer_idx)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.policy = ContextPolicy.from_ttt(ttt)
+        self.frozen_attention = frozen_attention if frozen_attention is not None else FrozenPathAttention()
         self._finish(config, ttt, layout, layer_idx + 1, grad_out)
 
     def forward(self, inputs):
         hidden_BTC, input_ids_BT, kinds_BT, rounds_BT = inputs
         hidden_BTC = as_hidden(hidden_BTC, self.layer.input_layernorm.weight.dtype)
         hidden_BTC = run_decoder_layers([self.layer], hidden_BTC, rounds_BT, policy=self.policy,
-                                        rotary_emb=self.rotary_emb)
+                                        rotary_emb=self.rotary_emb, frozen_attention=self.frozen_attention)
         return self.boundary(hidden_BTC), input_ids_BT, kinds_BT, rounds_BT
 
 
@@ -226,13 +238,30 @@ def build_specs(config: Qwen3Config, ttt: TTTConfig, layout: Layout) -> list[Lay
                                tied_weight_attr=["embed_tokens.weight"])]
     else:
         specs = [LayerSpec(EmbedPipe, config, ttt, layout, grad_out[0])]
-    specs += [LayerSpec(DecoderPipe, config, ttt, layout, i, grad_out[i + 1]) for i in range(fa)]
+    frozen_attention = FrozenPathAttention()  # one per process: every decoder layer of this rank's stage
+    specs += [LayerSpec(DecoderPipe, config, ttt, layout, i, grad_out[i + 1], frozen_attention) for i in range(fa)]
     specs.append(LayerSpec(LastStagePipe, config, ttt, layout))
     if layout.tied_embeddings:
         specs.append(TiedLayerSpec(TIED_EMBEDDING, EmbedPipe, config, ttt, layout, grad_out[0],
                                    forward_fn=_tied_head_reference, tied_weight_attr=["embed_tokens.weight"]))
     assert len(specs) == layout.num_specs
     return specs
+
+
+def seed_cpu_rngs(seed: int) -> None:
+    """DeepSpeed's per-layer seeding (`set_random_seed`: python, numpy, torch) with torch's CPU generator
+    seeded directly: `torch.manual_seed` also queues a lazy seed for every accelerator, formatting a
+    stack trace each time (about a millisecond, for each layer of each micro-batch). The same streams
+    bit for bit on a machine with no accelerator, where that lazy seed is never used."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.random.default_generator.manual_seed(seed % (2**63))
+
+
+def layer_seed_fn():
+    """The PipelineModule's seed_fn: `seed_cpu_rngs` where torch sees no accelerator, else DeepSpeed's
+    own `set_random_seed` (torch.manual_seed, which seeds the accelerator's generators too)."""
+    return set_random_seed if torch.accelerator.is_available() else seed_cpu_rngs
 
 
 class TTTPipelineModule(PipelineModule):
@@ -243,7 +272,7 @@ class TTTPipelineModule(PipelineModule):
         self.layout = layout
         super().__init__(
             layers=build_specs(config, ttt, layout), num_stages=None if topology else layout.num_stages,
-            topology=topology, loss_fn=reduce_outer_loss, seed_layers=True, base_seed=seed,
+            topology=topology, loss_fn=reduce_outer_loss, seed_layers=True, seed_fn=layer_seed_fn(), base_seed=seed,
             partition_method="explicit", activation_checkpoint_interval=activation_checkpoint_interval,
             # Only the frozen-path decoder layers may be recomputed by DeepSpeed: its checkpointing cannot
             # contain the inner loop's torch.autograd.grad (the event loop checkpoints itself per event).

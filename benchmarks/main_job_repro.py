@@ -12,9 +12,11 @@ Every file must exist in both trees. How each kind is compared:
                    (the manifest's sha256, which hashes its input paths, and each checkpoint's
                    `checkpoint_sha256`, which hashes its run_config.json with the output path) by
                    placeholders, and dropping wall-clock fields (times, rates, load, dates, memory peaks);
-  *model_states.pt loaded weights_only (DeepSpeed's few objects allow-listed, as the trainer's resume
-                   does); tensors equal bit for bit (torch.equal), other values equal after the same path
-                   replacement (DeepSpeed's module file keeps the run's client state, paths included);
+  *_states.pt      model and optimizer states, loaded weights_only (DeepSpeed's few objects allow-listed,
+                   as the trainer's resume does); tensors equal bit for bit (torch.equal), other values
+                   equal after the same path replacement (DeepSpeed's module file keeps the run's client
+                   state, paths included), objects by their attributes; each difference is named by its
+                   path in the file (`where`), e.g. a recorded DeepSpeed setting;
   .md / .png       skipped: reports rendered from the JSON beside them, with timings in them;
   .log             skipped: a step's progress output (bars with rates and times), its results are files;
   tasks/...        byte for byte, whatever the suffix: the task suite's files are task data (a recovery
@@ -88,32 +90,42 @@ def load_json(run: Run, rel: pathlib.Path):
     return drop_wall_clock(json.loads(text))
 
 
-def same_state(a, b, run_a: Run, run_b: Run) -> bool:
+def state_differences(a, b, run_a: Run, run_b: Run, path: str = "") -> list[str]:
+    """Where two loaded checkpoint states differ (empty: the same), each as `path: what`."""
     if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b) and all(same_state(a[k], b[k], run_a, run_b) for k in a)
+        if not isinstance(b, dict) or set(a) != set(b):
+            return [f"{path}: keys differ"]
+        return [d for k in a for d in state_differences(a[k], b[k], run_a, run_b, f"{path}.{k}")]
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(
-            same_state(x, y, run_a, run_b) for x, y in zip(a, b))
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            return [f"{path}: lengths differ"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in state_differences(x, y, run_a, run_b, f"{path}[{i}]")]
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [f"{path}: tensor differs"]
     if isinstance(a, str) and isinstance(b, str):
-        return run_a.canonical(a) == run_b.canonical(b)
-    return a == b
+        return [] if run_a.canonical(a) == run_b.canonical(b) else [f"{path}: {a[:60]!r} != {b[:60]!r}"]
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
+        return state_differences(vars(a), vars(b), run_a, run_b, path)  # e.g. DeepSpeed's loss scaler
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
-def same_file(rel: pathlib.Path, run_a: Run, run_b: Run) -> bool | None:
-    """True/False, or None for a report skipped by design."""
+def same_file(rel: pathlib.Path, run_a: Run, run_b: Run, where: dict | None = None) -> bool | None:
+    """True/False, or None for a report skipped by design; `where` collects a checkpoint state's differences."""
     if rel.suffix in (".md", ".png", ".log"):
         return None
     if rel.parts[0] == TASKS_DIR:  # the task suite's files are task data (a task may ship a broken config.json)
         return sha256_file(run_a.root / rel) == sha256_file(run_b.root / rel)
     if rel.suffix in (".json", ".jsonl"):
         return load_json(run_a, rel) == load_json(run_b, rel)
-    if rel.name.endswith("model_states.pt"):
+    if rel.name.endswith("_states.pt"):
         with torch.serialization.safe_globals(deepspeed_safe_globals()):
             state_a = torch.load(run_a.root / rel, map_location="cpu", weights_only=True)
             state_b = torch.load(run_b.root / rel, map_location="cpu", weights_only=True)
-        return same_state(state_a, state_b, run_a, run_b)
+        found = state_differences(state_a, state_b, run_a, run_b)
+        if found and where is not None:
+            where[str(rel)] = found
+        return not found
     return sha256_file(run_a.root / rel) == sha256_file(run_b.root / rel)
 
 
@@ -122,7 +134,8 @@ def compare(dir_a: pathlib.Path, dir_b: pathlib.Path, label_a: str = "a", label_
     run_a, run_b = Run(dir_a), Run(dir_b)
     files_a, files_b = run_a.files(), run_b.files()
     only = sorted(str(p) for p in files_a ^ files_b)
-    verdicts = {str(rel): same_file(rel, run_a, run_b) for rel in sorted(files_a & files_b)}
+    where: dict[str, list[str]] = {}
+    verdicts = {str(rel): same_file(rel, run_a, run_b, where) for rel in sorted(files_a & files_b)}
     different = [f for f, v in verdicts.items() if v is False]
     exports = {p.name: {label_a: sha256_file(p), label_b: sha256_file(dir_b / "export" / p.name)}
                for p in sorted(dir_a.glob("export/*.safetensors")) if (dir_b / "export" / p.name).is_file()}
@@ -132,6 +145,7 @@ def compare(dir_a: pathlib.Path, dir_b: pathlib.Path, label_a: str = "a", label_
         "files_identical": sum(v is True for v in verdicts.values()),
         "files_skipped_reports": sum(v is None for v in verdicts.values()),
         "files_different": different,
+        "where": where,
         "files_in_one_run_only": only,
         "export_sha256": exports,
         "identical": not different and not only,
@@ -148,6 +162,7 @@ def render(result: dict) -> str:
              f"{result['files_skipped_reports']}",
              f"- different: {result['files_different'] or 'none'}; in one run only: "
              f"{result['files_in_one_run_only'] or 'none'}",
+             *sorted({f"- in the checkpoint states: `{d}`" for found in result.get("where", {}).values() for d in found}),
              f"- median training step (from step 11): {label_a} {a['median_step_seconds']:.3f} s, "
              f"{label_b} {b['median_step_seconds']:.3f} s", "",
              f"| export file | {label_a} sha256 | {label_b} sha256 |", "|---|---|---|"]

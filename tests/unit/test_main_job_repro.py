@@ -101,3 +101,26 @@ def test_task_data_is_compared_as_bytes_and_progress_logs_are_skipped(tmp_path):
     assert result["identical"] and result["files_skipped_reports"] == 2, result
     (runs[1] / "tasks" / "test-recovery_missing_file-000" / "environment" / "config.json").write_text("name: x\n")
     assert script.compare(*runs)["files_different"] == ["tasks/test-recovery_missing_file-000/environment/config.json"]
+
+
+def test_checkpoint_states_are_compared_by_value_and_their_differences_named(tmp_path):
+    """Optimizer states are loaded and compared like model states: equal tensors and an object without `==`
+    (DeepSpeed's loss scaler) with equal attributes are the same, and a changed recorded setting is named by
+    its path (failed on the code before: optimizer state files were compared as bytes, and nothing said where
+    a state file differed)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    script = load_script()
+    runs = []
+    for name, interval in (("a", 1), ("b", 1), ("c", 0)):
+        root = fake_run(tmp_path / name, step_time=1.0)
+        torch.save({"optimizer_state_dict": {"loss_scaler": LossScaler(1.0), "exp_avg": torch.ones(3)},
+                    "ds_config": {"pipeline": {"activation_checkpoint_interval": interval}}},
+                   root / "run" / "step_00000001" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        runs.append(root)
+    assert script.compare(runs[0], runs[1])["identical"]
+    result = script.compare(runs[0], runs[2])
+    optim = "run/step_00000001/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    assert result["files_different"] == [optim]
+    assert result["where"] == {optim: [".ds_config.pipeline.activation_checkpoint_interval: 1 != 0"]}
+    assert "activation_checkpoint_interval: 1 != 0" in script.render(result)

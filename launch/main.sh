@@ -10,8 +10,9 @@
 #
 #   bash setup.sh && bash launch/main.sh [WORK_DIR]        # WORK_DIR defaults to runs/main
 #
-# Independent steps run at once, so that neither core waits: the two generator calls; the task suite (built
-# and blind-checked) and the held-out sets, which need no model, beside the training; after it, the closed
+# Independent steps run at once, so that neither core waits: the task suite (built and blind-checked; it
+# needs nothing the job makes) from the start, beside the two generator calls and the training; the held-out
+# sets, which need the manifest but no model, beside the training; after it, the closed
 # loop (export, contamination check, episodes) beside the evaluation and the held-out score. A background
 # step that fails fails the job, naming it and showing the end of its log; those logs are printed when the
 # step is done (the suite's stays in WORK_DIR/task_suite.log; the others are kept in a temporary directory
@@ -23,6 +24,9 @@
 #   SEED (0), MAX_STEPS (1000), DS_CONFIG (ds_configs/cpu_tiny_pp1_dp2.json), NUM_RANKS (2),
 #   RUN_CONFIG (ds_configs/run_cpu_tiny.json), REPORT (WORK_DIR/adaptation: .json/.md/.png),
 #   TASKS_PER_KIND (12)  closed-loop task instances per kind (17 kinds; test seeds), built while training runs
+#   GEN_WORKERS (8)  sandboxes each generator call runs at once: an episode mostly waits on its shell (its
+#                    commands, a job's sleep), so more than the cores finish sooner; the bytes are the same
+#                    for any number (ds_ttt/data/generator.py)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 WORK="${1:-runs/main}"
@@ -36,6 +40,7 @@ NUM_RANKS="${NUM_RANKS:-2}"
 RUN_CONFIG="${RUN_CONFIG:-ds_configs/run_cpu_tiny.json}"
 REPORT="${REPORT:-$WORK/adaptation}"
 TASKS_PER_KIND="${TASKS_PER_KIND:-12}"
+GEN_WORKERS="${GEN_WORKERS:-8}"
 PY=.venv/bin/python
 source launch/same_checkout.sh && require_same_checkout "$PY"
 export OMP_NUM_THREADS=1 WANDB_MODE="${WANDB_MODE:-offline}" DS_ACCELERATOR=cpu
@@ -59,10 +64,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# the closed-loop task suite needs no data and no model: it is built and blind-checked on the side from the start
+rm -rf "$WORK/tasks"
+bg task_suite "$WORK/task_suite.log" $PY evals/task_suite.py --out "$WORK/tasks" --split test --num-per-kind "$TASKS_PER_KIND"
+
 step "1/8 generate $NUM_TRAJ trajectories (seed $SEED) and $NUM_EXTRA extra memory episodes (seed $EXTRA_SEED) in real bash sandboxes"
-bg generate_extra "$LOGS/generate_extra.log" \
-  $PY data_prep/generate.py --out "$WORK/raw_extra" --num "$NUM_EXTRA" --seed "$EXTRA_SEED" --family memory --no-token-stats
-$PY data_prep/generate.py --out "$WORK/raw" --num "$NUM_TRAJ" --seed "$SEED"
+bg generate_extra "$LOGS/generate_extra.log" $PY data_prep/generate.py --out "$WORK/raw_extra" --num "$NUM_EXTRA" \
+  --seed "$EXTRA_SEED" --family memory --no-token-stats --workers "$GEN_WORKERS"
+$PY data_prep/generate.py --out "$WORK/raw" --num "$NUM_TRAJ" --seed "$SEED" --workers "$GEN_WORKERS"
 finish generate_extra
 cat "$LOGS/generate_extra.log"
 
@@ -70,10 +79,8 @@ step "2/8 prepare the manifest (compact Qwen3 vocabulary, capacity filter, split
 $PY data_prep/prepare.py --inputs "$WORK/raw/trajectories.jsonl" --train-only "$WORK/raw_extra/trajectories.jsonl" \
   --out "$WORK/data" --seed "$SEED" --trim-vocab
 
-# neither the closed-loop task suite nor the held-out sets (which need the manifest: its train split's prompts
-# are excluded) needs the model: they are built and checked on the side while training runs
-rm -rf "$WORK/tasks"
-bg task_suite "$WORK/task_suite.log" $PY evals/task_suite.py --out "$WORK/tasks" --split test --num-per-kind "$TASKS_PER_KIND"
+# the held-out sets need the manifest (its train split's prompts are excluded) but not the model: they are
+# built on the side while training runs
 bg heldout_sets "$LOGS/heldout_sets.log" $PY evals/heldout_sets.py --manifest "$WORK/data/manifest.json" --out "$WORK/sets" --split test
 
 step "3/8 meta-train: $NUM_RANKS CPU ranks ($DS_CONFIG), $MAX_STEPS steps"

@@ -113,7 +113,7 @@ def task_guesses(guess: str | None) -> frozenset[str]:
 def _task_toml(task_id: str, kind: str, seed: int, split: str, check: str) -> str:
     k = KINDS[kind]
     return (f"# ds_ttt held-out task {task_id} (ds_ttt/tasks/suite.py). Plain files: run it with\n"
-            "# --env ds_ttt.serve.harbor_env:SandboxEnvironment (docs/evaluation.md, \"Closed-loop tasks\").\n"
+            "# --env ds_ttt.serve.frontends.harbor_env:SandboxEnvironment (docs/evaluation.md, \"Closed-loop tasks\").\n"
             'schema_version = "1.4"\n\n[metadata]\n'
             f'ds_ttt_kind = "{kind}"\nds_ttt_family = "{k.family}"\nds_ttt_seen = {str(k.seen).lower()}\n'
             f'ds_ttt_check = "{check}"\nds_ttt_split = "{split}"\nds_ttt_seed = {seed}\n\n'

@@ -2,8 +2,12 @@
 
 Order: epoch e uses a permutation of the train split seeded by (seed, e); step k of the stage takes
 the next `train_batch_size` trajectories. Within a global batch the trajectories are sorted by length
-(bucketing: similar lengths share a micro-batch) and dealt to micro-batches; data-parallel rank d
-gets micro-batches d, d + dp, d + 2 dp, ... The cursor is simply the stage step, so resuming at step k
+(bucketing: similar lengths share a micro-batch) and dealt to micro-batches, longest first; the
+data-parallel ranks take them in serpentine order, so that each rank's share of the work is alike: in
+accumulation round g rank d takes micro-batch g * dp + d when g is even and g * dp + (dp - 1 - d) when g
+is odd (dp 2, accumulation 2: rank 0 the longest and the shortest, rank 1 the two between; dealt d,
+d + dp, ... rank 0 held the longer of every pair and rank 1 waited for it at the gradient all-reduce,
+about 9% of the token work). The cursor is simply the stage step, so resuming at step k
 reproduces exactly the batches an uninterrupted run would see (every rank computes the same order).
 Which trajectories step k draws depends on train_batch_size, the seed and the train split only, never
 on the layout (micro-batch, accumulation, dp size): each rank takes its slice of the same global batch,
@@ -93,7 +97,7 @@ class TrajectoryBatches:
         return self._perm
 
     def step_micro_batches(self, step: int) -> list[list[Sample]]:
-        """All micro-batches (every dp rank, in order m = g * dp + d) of stage step `step` (0-based)."""
+        """All micro-batches of stage step `step` (0-based), longest first; rank_micro_batches deals them."""
         epoch, pos = divmod(step, self.steps_per_epoch)
         idx = self._permutation(epoch)[pos * self.global_batch:(pos + 1) * self.global_batch]
         idx.sort(key=lambda i: (-len(self.samples[i]), i))
@@ -101,8 +105,9 @@ class TrajectoryBatches:
         return [rows[m * self.micro:(m + 1) * self.micro] for m in range(self.gas * self.dp_size)]
 
     def rank_micro_batches(self, step: int) -> list[list[Sample]]:
-        mbs = self.step_micro_batches(step)
-        return [mbs[g * self.dp_size + self.dp_rank] for g in range(self.gas)]
+        """This rank's `gas` micro-batches of stage step `step`, dealt in serpentine order (module docstring)."""
+        mbs, dp, d = self.step_micro_batches(step), self.dp_size, self.dp_rank
+        return [mbs[g * dp + (d if g % 2 == 0 else dp - 1 - d)] for g in range(self.gas)]
 
     def iterate(self, start_step: int) -> Iterator:
         """DeepSpeed data iterator from stage step `start_step` on (gas items per optimizer step)."""

@@ -245,3 +245,20 @@ def test_metrics_cut_drops_a_line_a_kill_cut_short(tmp_path):
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
         cut_metrics(path, 2)
+
+
+def test_ranks_take_micro_batches_in_serpentine_order_so_their_work_is_alike():
+    """dp 2 x accumulation 2 (the main job's layout): rank 0 takes the longest and the shortest trajectory
+    of each step, rank 1 the two between. Dealt d, d + dp, ... rank 0 held the longer of every pair, the
+    partition with the largest gap; serpentine is the 2 + 2 partition with the smallest largest share."""
+    for k in range(6):
+        every = loader().step_micro_batches(k)
+        lengths = [len(mb[0]) for mb in every]
+        assert lengths == sorted(lengths, reverse=True)
+        r0, r1 = loader(0).rank_micro_batches(k), loader(1).rank_micro_batches(k)
+        assert [mb[0].id for mb in r0] == [every[0][0].id, every[3][0].id]
+        assert [mb[0].id for mb in r1] == [every[1][0].id, every[2][0].id]
+        shares = [sum(len(mb[0]) for mb in r) for r in (r0, r1)]
+        best = min(max(lengths[a] + lengths[b], sum(lengths) - lengths[a] - lengths[b])
+                   for a in range(4) for b in range(a + 1, 4))
+        assert max(shares) == best

@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ds_ttt.evaluation.intervals import wilson_interval
-from ds_ttt.evaluation.verifier import run_verifier
+from ds_ttt.evaluation.verifier import run_verifier, run_verifier_each
 from ds_ttt.sandbox import Sandbox
 from ds_ttt.serve.episode import SessionAgent
 from ds_ttt.serve.episode import run_episode as run_episode_loop
@@ -72,18 +72,27 @@ def score_outcome(sb: Sandbox, task: Task, answer: str | None) -> tuple[bool, st
     return run_verifier(sb, task.test, answer)
 
 
-def verify_task(task: Task) -> dict:
+def score_outcomes(sb: Sandbox, task: Task, answers: list[str | None]) -> list[tuple[bool, str]]:
+    """`score_outcome` for several final replies to what one episode left in `sb` (the agent's files
+    carried over once, each answer tested in a verifier sandbox of its own)."""
+    return run_verifier_each(sb, task.test, answers)
+
+
+def verify_task(task: Task, *, nop: bool = True) -> dict:
     """The task's test judged on two known agents: the reference solution (solution/solve.sh, run in one
-    shell as Harbor's oracle agent runs it) must pass, and doing nothing (Harbor's nop agent) must fail."""
+    shell as Harbor's oracle agent runs it) must pass, and doing nothing (Harbor's nop agent) must fail.
+    nop=False judges the oracle only: for a suite the blind-policy gate has passed, whose policy `nothing`
+    is that same agent (no command, an empty reply) and has failed every task."""
     out = {}
-    for name, script in (("oracle", (task.path / "solution" / "solve.sh").read_text()), ("nop", None)):
+    agents = [("oracle", (task.path / "solution" / "solve.sh").read_text())] + ([("nop", None)] if nop else [])
+    for name, script in agents:
         with Sandbox(timeout=30.0, dirs=AGENT_DIRS) as sb:
             sb.add_tree(task.environment)
             if script is not None:
                 sb.put(script.encode(), "/tmp/solve.sh", 0o755)  # not in /tests: the verifier discards that
                 sb.run("bash /tmp/solve.sh")
             out[name], out[f"{name}_log"] = score_outcome(sb, task, None if script is not None else "")
-    out["valid"] = out["oracle"] and not out["nop"]
+    out["valid"] = out["oracle"] and not out.get("nop", False)
     return out
 
 

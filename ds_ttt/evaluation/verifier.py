@@ -2,6 +2,7 @@
 
     from ds_ttt.evaluation.verifier import run_verifier, seal
     ok, log = run_verifier(sb, test_script, answer="42")    # closes `sb` (the agent's sandbox); reward == 1?
+    [(ok, log), ...] = run_verifier_each(sb, test_script, ["0", "1"])   # one agent's files, one verifier per answer
     verifier_sb = seal(sb, fresh=("/tests", "/logs/verifier"))   # the agent's files in a new sandbox (Harbor)
 
 Why a second sandbox. Everything that runs inside the agent's sandbox after the agent stopped can be
@@ -196,9 +197,35 @@ def place_verified(sb: Sandbox, data: bytes, path: str, mode: int | None = None)
 def run_verifier(sb: Sandbox, test_script: str, answer: str | None) -> tuple[bool, str]:
     """Steps 1-5 of the module docstring: (reward == 1, the log). Closes `sb`, the agent's sandbox.
     `answer` (the episode's final reply) goes to ANSWER_PATH; None keeps the file the episode left."""
+    return run_verifier_each(sb, test_script, [answer])[0]
+
+
+def run_verifier_each(sb: Sandbox, test_script: str, answers: list[str | None]) -> list[tuple[bool, str]]:
+    """`run_verifier` for several final replies to what one agent left in `sb`: steps 1-2 once, then steps
+    3-5 for each answer in a new verifier sandbox of its own, from the same archive, exactly as
+    `run_verifier` would run them after an agent that left the same files (the blind-policy gate scores
+    the policies that run no command, and differ only in their reply, this way). Closes `sb`."""
     notes: list[str] = []
     try:
         archive, verifier = _snapshot(sb, FRESH_DIRS, notes)
+    except VerificationError as e:
+        return [(False, "\n".join(notes + [f"[verifier: {e}]"]))] * len(answers)
+    out = []
+    for i, answer in enumerate(answers):
+        if i:
+            try:  # the next verifier: the settings of the last one (closed by now), a sandbox of its own
+                verifier = _sandbox_like(verifier)
+            except SandboxError as e:
+                out.append((False, "\n".join(notes + [f"[verifier: the agent's files could not be carried over: {e}]"])))
+                continue
+        out.append(_verify(verifier, archive, test_script, answer, list(notes)))
+    return out
+
+
+def _verify(verifier: Sandbox, archive: bytes, test_script: str, answer: str | None,
+            notes: list[str]) -> tuple[bool, str]:
+    """Steps 3-5 in `verifier` (new, unstarted) from the agent's `archive`; closes `verifier`."""
+    try:
         prepared = _prepare_at_once(verifier, archive, test_script, answer)
         if not prepared:  # one request each, in a sandbox that has run none of them, for the reason
             try:

@@ -6,7 +6,11 @@
 
 Each policy is a list of commands run in one shell in a fresh sandbox holding the task's world, then a
 final reply; the outcome is scored by ds_ttt.evaluation.closed_loop.score_outcome, the runner's own
-verifier. A task any of them passes does not measure an agent: the gate refuses it.
+verifier. A task any of them passes does not measure an agent: the gate refuses it. The policies that
+run no command (nothing, the instruction, and the answers of a task without answer files) leave the
+same files and differ only in their reply: they share one sandbox holding the world, whose files the
+verifier carries over once, and each reply is tested in a verifier sandbox of its own (score_outcomes:
+the same verdicts, one agent sandbox instead of one per policy).
   nothing                   no command, an empty reply (Harbor's nop agent)
   echo_instruction          no command; the instruction as the reply
   constant:<c>              c as the reply and as the whole of every answer file the instruction names,
@@ -35,7 +39,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_ttt.evaluation.closed_loop import score_outcome
+from ds_ttt.evaluation.closed_loop import score_outcome, score_outcomes
 from ds_ttt.sandbox import Sandbox
 from ds_ttt.tasks.suite import GUESS_CONSTANTS, Task
 
@@ -103,6 +107,14 @@ def run_blind(task: Task, commands: tuple[str, ...] = (), reply: str | None = ""
         return score_outcome(sb, task, reply)
 
 
+def run_blind_replies(task: Task, replies: list[str | None], *, timeout: float = COMMAND_TIMEOUT) -> list[tuple[bool, str]]:
+    """`run_blind` with no command for each reply in `replies`: one sandbox holding the task's world, each
+    reply scored by the task's test in a verifier sandbox of its own (closed_loop.score_outcomes)."""
+    with Sandbox(timeout=timeout, dirs=("/logs", "/tests")) as sb:
+        sb.add_tree(task.environment)
+        return score_outcomes(sb, task, replies)
+
+
 def _solution(task: Task) -> str:
     return (task.path / "solution" / "solve.sh").read_text()
 
@@ -120,12 +132,26 @@ def check_suite(tasks: list[Task], guesses: dict[str, str | None], *, workers: i
     "policies": {policy: {"runs", "solved"}}} for suite.json (the module docstring defines the fields)."""
     jobs = [("policy", t, p) for t in tasks for p in policies(t, guesses.get(t.kind))]
     jobs += [("replay", t, o) for t in tasks for o in tasks if o.kind == t.kind and o.id != t.id]
+    # what runs: a task's policies without commands together (run_blind_replies), every other job alone;
+    # each unit lists the indices of its jobs, so the verdicts come back in the jobs' order
+    units: list[list[int]] = []
+    no_command: dict[str, list[int]] = {}
+    for i, (what, t, x) in enumerate(jobs):
+        if what == "policy" and not x.commands:
+            if t.id not in no_command:
+                no_command[t.id] = []
+                units.append(no_command[t.id])
+            no_command[t.id].append(i)
+        else:
+            units.append([i])
 
-    def one(job):
-        what, t, x = job
-        if what == "policy":
-            return run_blind(t, x.commands, x.reply)[0]
-        return run_blind(t, reply=None, script=_solution(x), timeout=REPLAY_TIMEOUT)[0]
+    def one(unit):
+        what, t, x = jobs[unit[0]]
+        if what == "replay":
+            return [run_blind(t, reply=None, script=_solution(x), timeout=REPLAY_TIMEOUT)[0]]
+        if x.commands:
+            return [run_blind(t, x.commands, x.reply)[0]]
+        return [ok for ok, _ in run_blind_replies(t, [jobs[i][2].reply for i in unit])]
 
     bar = None
     if progress:
@@ -133,13 +159,16 @@ def check_suite(tasks: list[Task], guesses: dict[str, str | None], *, workers: i
 
         bar = tqdm(total=len(jobs), desc="blind policies and replays", unit="run")
 
-    def counted(job):
-        ok = one(job)
-        bar and bar.update(1)
-        return ok
+    def counted(unit):
+        oks = one(unit)
+        bar and bar.update(len(unit))
+        return oks
 
+    passed: list[bool] = [False] * len(jobs)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # sandbox start-up is I/O-bound
-        passed = list(pool.map(counted, jobs))
+        for unit, oks in zip(units, pool.map(counted, units)):
+            for i, ok in zip(unit, oks, strict=True):
+                passed[i] = ok
     bar and bar.close()
     blind = [(t.id, p.name) for (what, t, p), ok in zip(jobs, passed) if what == "policy" and ok]
     if blind:
@@ -173,4 +202,4 @@ def check_suite(tasks: list[Task], guesses: dict[str, str | None], *, workers: i
     return {"tasks": per_task, "kinds": per_kind, "policies": per_policy}
 
 
-__all__ = ["BlindPolicyPasses", "Policy", "check_suite", "policies", "run_blind"]
+__all__ = ["BlindPolicyPasses", "Policy", "check_suite", "policies", "run_blind", "run_blind_replies"]

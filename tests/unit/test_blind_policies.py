@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from ds_ttt.evaluation.closed_loop import score_outcome
+from ds_ttt.evaluation.closed_loop import score_outcome, score_outcomes
 from ds_ttt.sandbox import Sandbox
 from ds_ttt.tasks import checks as ck
 from ds_ttt.tasks.blind_policies import BlindPolicyPasses, check_suite, policies
@@ -83,3 +83,26 @@ def test_the_gate_refuses_a_suite_a_blind_policy_passes_and_writes_nothing(tmp_p
     names = {p.name for p in policies(tasks[0], "7")}
     assert {"nothing", "echo_instruction", "constant:0", "constant:1", "constant:yes", "constant:7", "numbers_spaces",
             "numbers_lines", "copy_everything_into:restore", "move_everything_into:restore"} <= names
+
+
+def test_replies_share_one_agent_sandbox_and_each_is_tested_alone():
+    """score_outcomes: what one agent left, carried over once; each reply its own verifier run."""
+    with Sandbox(timeout=10.0, dirs=("/logs", "/tests")) as sb:
+        sb.run("echo 12 > count.txt")
+        got = score_outcomes(sb, _FakeTask([ck.answer_equals("12"), ck.file_equals("count.txt", "12\n")]),
+                             ["12", "13", "", "12"])
+    assert [ok for ok, _ in got] == [True, False, False, True]
+    assert all(log for _, log in got)
+
+
+def test_the_gate_names_the_no_command_policy_that_passes(tmp_path):
+    """The policies without commands run together (run_blind_replies); their verdicts must come back to
+    the right policy: a test that the echoed instruction passes is refused naming echo_instruction only."""
+    def with_an_echo_test(tasks, guesses):
+        (tasks[0].path / "tests" / "test.sh").write_text(ck.test_script([ck.answer_equals(tasks[0].instruction.strip().removesuffix("."))]))
+        return check_suite(tasks, guesses)
+
+    with pytest.raises(BlindPolicyPasses, match=r"^1 blind \(task, policy\) pair\(s\) pass: "
+                                                r"dev-memory_filename-000 by echo_instruction$"):
+        write_suite(tmp_path / "refused", split="dev", num_per_kind=2, kinds=["memory_filename"], progress=False,
+                    guess_draws=1, check_blind=with_an_echo_test)

@@ -93,6 +93,8 @@ def test_a_solution_still_passes_and_doing_nothing_fails():
     assert not ok and "fail" in log, log
     result = verify_task(COUNT_LINES)
     assert result["oracle"] and not result["nop"] and result["valid"], result
+    oracle_only = verify_task(COUNT_LINES, nop=False)  # the task suite's check after its blind-policy gate
+    assert oracle_only["oracle"] and oracle_only["valid"] and "nop" not in oracle_only, oracle_only
 
 
 def test_the_files_are_placed_in_one_request_unless_a_step_fails(monkeypatch):

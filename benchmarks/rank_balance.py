@@ -36,11 +36,6 @@ import torch
 MAIN_JOB_STEPS = 1000
 
 
-def deal(num: int, gas: int, dp: int, rank: int, serpentine: bool) -> list[int]:
-    """The micro-batch indices rank `rank` takes (the trainer's rule when serpentine)."""
-    return [g * dp + (rank if not serpentine or g % 2 == 0 else dp - 1 - rank) for g in range(gas)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--manifest", required=True)
@@ -68,9 +63,11 @@ def main() -> None:
     cfg = backbone_config(run["preset"])
     cfg.vocab_size = -(-man.data["tokenizer"]["vocab_size"] // 64) * 64  # as the trainer pads it
     samples = samples_from_manifest(man, "train")
-    batches = TrajectoryBatches(samples, num_samples=len(samples), train_batch_size=ds["train_batch_size"],
-                                micro_batch_size=micro, gradient_accumulation_steps=gas, dp_rank=0, dp_size=dp,
-                                seed=run.get("seed", 0), bucket=run.get("bucket", 64), capacity=man.capacity)
+    ranks = [TrajectoryBatches(samples, num_samples=len(samples), train_batch_size=ds["train_batch_size"],
+                               micro_batch_size=micro, gradient_accumulation_steps=gas, dp_rank=d, dp_size=dp,
+                               seed=run.get("seed", 0), bucket=run.get("bucket", 64), capacity=man.capacity)
+             for d in range(dp)]
+    batches = ranks[0]
     steps = [round(i * (MAIN_JOB_STEPS - 1) / max(args.steps - 1, 1)) for i in range(args.steps)]
     per_step = {k: batches.step_micro_batches(k) for k in steps}
     mbs = {tuple(r.id for r in mb): mb for k in steps for mb in per_step[k]}
@@ -95,8 +92,10 @@ def main() -> None:
     for name, serp in (("strided", False), ("serpentine", True)):
         step_s, idle = [], []
         for k in steps:
-            c = [cost[tuple(r.id for r in mb)] for mb in per_step[k]]
-            shares = [sum(c[m] for m in deal(len(c), gas, dp, d, serp)) for d in range(dp)]
+            if serp:  # the trainer's own deal
+                shares = [sum(cost[tuple(r.id for r in mb)] for mb in ranks[d].rank_micro_batches(k)) for d in range(dp)]
+            else:  # the deal before it: rank d took micro-batches d, d + dp, ...
+                shares = [sum(cost[tuple(r.id for r in per_step[k][g * dp + d])] for g in range(gas)) for d in range(dp)]
             step_s.append(max(shares))
             idle.append(sum(max(shares) - s for s in shares))
         rows[name] = {"step_s": step_s, "sum_s": sum(step_s), "idle_share": sum(idle) / (dp * sum(step_s))}
